@@ -1,0 +1,29 @@
+# Set-up and checks. Each target creates .venv on first use; `constraints.txt` pins the torch the
+# suite is tested against, so a CPU machine installs the local CPU wheel instead of a CUDA build.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST ?= $(PY) -m pytest
+
+.PHONY: demo test lint typecheck bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/accel launch --num_processes 2 examples/char_lm.py --out runs/demo
+
+test: $(STAMP)
+	$(PYTEST) -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check accel tests examples benchmarks
+	$(VENV)/bin/ruff format --check accel tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy accel
+
+clean:
+	rm -rf $(VENV) build *.egg-info

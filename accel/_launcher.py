@@ -1,0 +1,109 @@
+"""Pure parsing of the launcher contract: which process am I, and where is the rendezvous.
+
+Kept free of `os.environ` so every launcher's layout is unit-tested from a plain dict;
+`accel.distributed` passes the real environment in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Launcher = Literal["torchrun", "slurm", "none"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchEnv:
+    """What the launcher told this process about the run's topology."""
+
+    launcher: Launcher
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    value = environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"init_distributed: environment variable {key}={value!r} is not an integer; the "
+            "launcher that set it is misconfigured."
+        ) from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list such as ``"gpu[07-09,12],cpu1"``.
+
+    Example:
+        >>> first_slurm_host("gpu[07-09,12],cpu1")
+        'gpu07'
+    """
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"init_distributed: SLURM_NODELIST={nodelist!r} cannot be parsed.")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _slurm_port(environ: Mapping[str, str]) -> int:
+    # Every task must pick the same port without talking to the others: derive it from the job
+    # id (as Lightning does) unless the user exported MASTER_PORT.
+    if "MASTER_PORT" in environ:
+        return _int(environ, "MASTER_PORT")
+    return 15000 + _int(environ, "SLURM_JOB_ID") % 5000 if "SLURM_JOB_ID" in environ else 29500
+
+
+def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
+    """Read torchrun's variables, else SLURM's (srun without torchrun), else a single process."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world_size = _int(environ, "WORLD_SIZE")
+        local_world_size = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else 1
+        num_nodes = (
+            _int(environ, "GROUP_WORLD_SIZE")
+            if "GROUP_WORLD_SIZE" in environ
+            else max(1, world_size // local_world_size)
+        )
+        return LaunchEnv(
+            launcher="torchrun",
+            rank=_int(environ, "RANK"),
+            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=_int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0,
+            num_nodes=num_nodes,
+            master_addr=environ.get("MASTER_ADDR"),
+            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+        )
+    if "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS") > 1:
+        world_size = _int(environ, "SLURM_NTASKS")
+        num_nodes = _int(environ, "SLURM_NNODES") if "SLURM_NNODES" in environ else 1
+        return LaunchEnv(
+            launcher="slurm",
+            rank=_int(environ, "SLURM_PROCID"),
+            local_rank=_int(environ, "SLURM_LOCALID"),
+            world_size=world_size,
+            # SLURM_NTASKS_PER_NODE is only set when the job asked for it; fall back to an
+            # even split, which is what srun does by default.
+            local_world_size=(
+                _int(environ, "SLURM_NTASKS_PER_NODE")
+                if "SLURM_NTASKS_PER_NODE" in environ
+                else max(1, world_size // num_nodes)
+            ),
+            node_rank=_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+            num_nodes=num_nodes,
+            master_addr=environ.get("MASTER_ADDR")
+            or first_slurm_host(environ.get("SLURM_NODELIST", "127.0.0.1")),
+            master_port=_slurm_port(environ),
+        )
+    return LaunchEnv(launcher="none")

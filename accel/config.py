@@ -1,0 +1,289 @@
+"""User settings: YAML config files (accel's or Accelerate's) and the `ACCEL_*` variables.
+
+This module and `accel.distributed` are the only places accel reads `os.environ`. `accel launch`
+passes its settings to the processes it starts through these variables, and `init_distributed`
+reads them once and records each value's source in `RunContext.sources`:
+
+| variable                 | RunContext field   | values                 |
+|--------------------------|--------------------|------------------------|
+| `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, no   |
+| `ACCEL_GRAD_ACCUM_STEPS` | `grad_accum_steps` | int >= 1               |
+| `ACCEL_SEED`             | `seed`             | int                    |
+| `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, cast, get_args
+
+import yaml
+
+from accel._typing import Precision
+
+__all__ = ["Config", "default_config_path", "load_config"]
+
+ENV_PRECISION = "ACCEL_PRECISION"
+ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
+ENV_SEED = "ACCEL_SEED"
+ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
+
+# Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
+_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
+_UNSUPPORTED_TYPES = MappingProxyType(
+    {
+        "DEEPSPEED": "accel does not wrap DeepSpeed; use FSDP (wrap_model(strategy='fsdp2'))",
+        "MEGATRON_LM": "accel does not wrap Megatron-LM",
+        "XLA": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "TPU": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "MULTI_NPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_XPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_MLU": "accel supports cpu, cuda and mps devices",
+    }
+)
+# Keys Accelerate writes that have no effect in accel; accepted so its files load unchanged.
+_IGNORED_KEYS = frozenset(
+    {
+        "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
+        "main_training_function", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "tpu_name",
+        "tpu_zone", "commands", "command_file", "dynamo_config", "fsdp_config", "ipex_config",
+        "mpirun_config", "megatron_lm_config", "deepspeed_config", "parallelism_config",
+        "use_mps_device", "same_network",
+    }
+)  # fmt: skip
+
+
+def _int(minimum: int) -> Callable[[str, Any], int]:
+    def parse(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"config: {key}={value!r} must be an integer >= {minimum}. Fix the value in "
+                "the config file or on the command line."
+            )
+        return value
+
+    return parse
+
+
+def _optional_int(minimum: int) -> Callable[[str, Any], int | None]:
+    inner = _int(minimum)
+    return lambda key, value: None if value is None else inner(key, value)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"config: {key}={value!r} must be true or false.")
+    return value
+
+
+def _str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, int)):
+        raise ValueError(f"config: {key}={value!r} must be a string.")
+    return str(value)
+
+
+def parse_precision(key: str, value: Any) -> Precision:
+    """Map a precision setting (accel's or Accelerate's spelling) to a `Precision`."""
+    # YAML reads a bare `no` as False, which is how Accelerate's files spell "no mixed precision".
+    text = "fp32" if value is False or value in ("no", "fp32", None) else value
+    if text not in get_args(Precision):
+        raise ValueError(
+            f"config: {key}={value!r} is not a precision; expected one of "
+            f"{get_args(Precision)} (or Accelerate's 'no'). Example: mixed_precision: bf16"
+        )
+    return cast(Precision, text)
+
+
+def _distributed_type(key: str, value: Any) -> str:
+    text = str(value).upper()
+    if text in _UNSUPPORTED_TYPES:
+        raise NotImplementedError(f"config: {key}={value!r}: {_UNSUPPORTED_TYPES[text]}.")
+    if text not in _DISTRIBUTED_TYPES:
+        raise ValueError(
+            f"config: {key}={value!r} is not known; expected one of {_DISTRIBUTED_TYPES}."
+        )
+    return text
+
+
+def _float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"config: {key}={value!r} must be a number > 0.")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """A launch configuration, as read from YAML or built from `accel launch` flags.
+
+    Field names are Accelerate's config keys, so its `default_config.yaml` reads unchanged.
+    """
+
+    distributed_type: str = "NO"
+    """Accelerate's run kind: NO, MULTI_CPU, MULTI_GPU or FSDP."""
+    num_processes: int = 1
+    """Processes in total over all machines (as in Accelerate's files)."""
+    num_machines: int = 1
+    """Machines (nodes) taking part."""
+    machine_rank: int = 0
+    """This machine's index."""
+    main_process_ip: str | None = None
+    """Rendezvous host (machine rank 0). None on one machine."""
+    main_process_port: int | None = None
+    """Rendezvous port; 0 or None picks a free one on a single machine."""
+    rdzv_backend: str = "static"
+    """torchrun rendezvous backend: static or c10d."""
+    mixed_precision: Precision = "fp32"
+    """Autocast precision."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int | None = None
+    """Base seed handed to the processes."""
+    use_cpu: bool = False
+    """Run on the CPU even when GPUs are present."""
+    gpu_ids: str | None = "all"
+    """GPUs to use, as CUDA_VISIBLE_DEVICES would list them, or 'all'."""
+    max_restarts: int = 0
+    """How often the elastic agent restarts failed workers."""
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks on its workers."""
+    num_cpu_threads_per_process: int | None = None
+    """OMP/torch threads per process; None lets torchrun decide."""
+
+
+_PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
+    {
+        "distributed_type": _distributed_type,
+        "num_processes": _int(1),
+        "num_machines": _int(1),
+        "machine_rank": _int(0),
+        "main_process_ip": _str,
+        "main_process_port": _optional_int(0),
+        "rdzv_backend": lambda k, v: _choice(k, v, ("static", "c10d")),
+        "mixed_precision": parse_precision,
+        "gradient_accumulation_steps": _int(1),
+        "seed": _optional_int(0),
+        "use_cpu": _bool,
+        "gpu_ids": _str,
+        "max_restarts": _int(0),
+        "monitor_interval": _float,
+        "num_cpu_threads_per_process": _optional_int(1),
+    }
+)
+assert set(_PARSERS) == {f.name for f in fields(Config)}
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"config: {key}={value!r} is not allowed; expected one of {allowed}.")
+    return str(value)
+
+
+def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
+    """Validate a mapping of config keys and return the `Config` it describes.
+
+    Raises:
+        ValueError: for an unknown key or a bad value, naming both.
+    """
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _IGNORED_KEYS:
+            continue
+        if key not in _PARSERS:
+            raise ValueError(
+                f"{origin}: unknown key {key!r}; expected one of {sorted(_PARSERS)} "
+                "(or a key of Accelerate's that accel ignores). Remove or rename it."
+            )
+        values[key] = _PARSERS[key](key, value)
+    config = Config(**values)
+    if config.machine_rank >= config.num_machines:
+        raise ValueError(
+            f"{origin}: machine_rank={config.machine_rank} must be below "
+            f"num_machines={config.num_machines}."
+        )
+    return config
+
+
+def default_config_path() -> Path:
+    """Return where `accel config` writes and `accel launch` looks for the config file.
+
+    That is `$ACCEL_CONFIG_FILE` if set, else `$XDG_CONFIG_HOME/accel/default_config.yaml`
+    (`~/.config/accel/default_config.yaml` by default).
+
+    Example:
+        >>> default_config_path().name
+        'default_config.yaml'
+    """
+    explicit = os.environ.get(ENV_CONFIG_FILE)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "accel" / "default_config.yaml"
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config file (accel's or Accelerate's).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "c.yaml"
+        >>> _ = p.write_text("num_processes: 2\\nmixed_precision: 'no'\\n")
+        >>> load_config(p).mixed_precision
+        'fp32'
+    """
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"load_config: path={str(file)!r} does not exist. Write one with `accel config`, "
+            "or pass --config_file with an existing file."
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"load_config: {str(file)!r} is not valid YAML: {err}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"load_config: {str(file)!r} must hold a mapping of keys to values, "
+            f"not a {type(data).__name__}."
+        )
+    return parse_config(data, origin=str(file))
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Return the RunContext settings found in `environ`, each with its source label."""
+    found: dict[str, tuple[Any, str]] = {}
+    if ENV_PRECISION in environ:
+        found["precision"] = (
+            parse_precision(ENV_PRECISION, environ[ENV_PRECISION]),
+            f"env {ENV_PRECISION}",
+        )
+    for var, name in ((ENV_GRAD_ACCUM, "grad_accum_steps"), (ENV_SEED, "seed")):
+        if var in environ:
+            try:
+                number = int(environ[var])
+            except ValueError:
+                raise ValueError(
+                    f"init_distributed: {var}={environ[var]!r} must be an integer."
+                ) from None
+            found[name] = (number, f"env {var}")
+    return found
+
+
+def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
+    """Return the RunContext settings a `Config` carries, each labelled with `source`."""
+    found: dict[str, tuple[Any, str]] = {
+        "precision": (config.mixed_precision, source),
+        "grad_accum_steps": (config.gradient_accumulation_steps, source),
+    }
+    if config.seed is not None:
+        found["seed"] = (config.seed, source)
+    return found

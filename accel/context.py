@@ -1,0 +1,159 @@
+"""`RunContext`: the one immutable value that says where and how this process runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any, get_args
+
+import torch
+from typing_extensions import Self
+
+from accel._typing import Backend, Precision
+
+__all__ = ["RunContext"]
+
+
+_CPU = torch.device("cpu")
+
+
+def _check_index(name: str, value: int, bound_name: str, bound: int) -> None:
+    if not 0 <= value < bound:
+        raise ValueError(
+            f"RunContext: {name}={value!r} must be in [0, {bound_name}={bound}). Build contexts "
+            "with accel.init_distributed(), or pass values that agree with each other."
+        )
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"RunContext: {name}={value!r} must be an int >= 1.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunContext:
+    """Configuration and topology of one process of a run. Immutable.
+
+    Change a field with `dataclasses.replace(ctx, precision="bf16")`. In a real run it comes from
+    `accel.init_distributed()`; in tests build it directly, for any rank and world size, since
+    only collectives need the process group.
+
+    Example:
+        >>> ctx = RunContext(rank=3, world_size=4, local_rank=3, local_world_size=4)
+        >>> ctx.is_main, ctx.is_distributed
+        (False, True)
+        >>> import dataclasses
+        >>> dataclasses.replace(ctx, precision="bf16").precision
+        'bf16'
+    """
+
+    rank: int = 0
+    """Index of this process among all processes, in [0, world_size)."""
+    local_rank: int = 0
+    """Index of this process on its machine; picks the GPU."""
+    world_size: int = 1
+    """Number of processes in the run."""
+    local_world_size: int = 1
+    """Number of processes on this machine."""
+    node_rank: int = 0
+    """Index of this machine, in [0, num_nodes)."""
+    num_nodes: int = 1
+    """Number of machines."""
+    device: torch.device = _CPU
+    """Where this process computes (a string such as "cuda:1" is accepted and converted)."""
+    backend: Backend | None = None
+    """The torch.distributed backend of `process_group`; None when there is none."""
+    precision: Precision = "fp32"
+    """Mixed precision: "fp32" (off), "bf16" or "fp16" autocast over fp32 weights."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int | None = None
+    """Base seed of the run, if one was configured."""
+    timeout: timedelta | None = None
+    """How long a collective may wait before failing (the process group's timeout)."""
+    process_group: Any = None
+    """The torch.distributed ProcessGroup collectives run on, held by reference; None on one
+    process and in hand-built contexts."""
+    sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+    """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "local_world_size", "num_nodes", "grad_accum_steps"):
+            _check_positive(name, getattr(self, name))
+        _check_index("rank", self.rank, "world_size", self.world_size)
+        _check_index("local_rank", self.local_rank, "local_world_size", self.local_world_size)
+        _check_index("node_rank", self.node_rank, "num_nodes", self.num_nodes)
+        if self.precision not in get_args(Precision):
+            raise ValueError(
+                f"RunContext: precision={self.precision!r} is not supported; expected one of "
+                f"{get_args(Precision)}. (Accelerate's 'no' is spelled 'fp32' here.)"
+            )
+        if self.backend is not None and self.backend not in get_args(Backend):
+            raise ValueError(
+                f"RunContext: backend={self.backend!r} is not supported; expected one of "
+                f"{get_args(Backend)} or None."
+            )
+        device: Any = self.device  # strings are accepted at run time though typed as device
+        if isinstance(device, str):
+            object.__setattr__(self, "device", torch.device(device))
+        elif not isinstance(device, torch.device):
+            raise TypeError(
+                f"RunContext: device={self.device!r} must be a torch.device or a string such as "
+                "'cpu' or 'cuda:0'."
+            )
+        if not isinstance(self.sources, MappingProxyType):
+            object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+
+    @classmethod
+    def single(cls, **fields: Any) -> Self:
+        """Build the context of a one-process run, on the best local device unless told.
+
+        Example:
+            >>> RunContext.single(device="cpu", precision="bf16").world_size
+            1
+        """
+        if "device" not in fields:
+            from accel.distributed import default_device
+
+            fields["device"] = default_device(0)
+        return cls(**fields)
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the process that writes files and logs."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0 of each machine."""
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when the run has more than one process."""
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        """Return every effective setting, one a line, with where its value came from.
+
+        Example:
+            >>> print(RunContext(precision="bf16", sources={"precision": "argument"}).describe())
+            ... # doctest: +ELLIPSIS
+            rank             = 0 ...
+            precision        = 'bf16'  (argument)
+            ...
+        """
+        lines = []
+        for f in dataclasses.fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "process_group" and value is not None:
+                value = f"<{type(value).__name__}>"
+            shown = str(value) if isinstance(value, str) and value.startswith("<") else repr(value)
+            source = self.sources.get(f.name, "constructed")
+            lines.append(f"{f.name:<16} = {shown}  ({source})")
+        return "\n".join(lines)

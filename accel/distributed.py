@@ -1,0 +1,325 @@
+"""Start and stop the process group, and coordinate processes.
+
+`init_distributed` reads the launcher contract once (torchrun's variables, SLURM's when `srun`
+started the processes without torchrun, or none for a plain `python` run), picks the device and
+backend, creates the process group and returns a `RunContext` recording every choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from accel import config as _config
+from accel._launcher import LaunchEnv, parse_launch_env
+from accel._typing import Backend, Precision
+from accel.collectives import comm_device, named_collective, require_group
+from accel.context import RunContext
+
+__all__ = [
+    "any_rank",
+    "init_distributed",
+    "main_process_first",
+    "on_main_process",
+    "run_on_main",
+    "shutdown",
+    "split_between_processes",
+    "wait_for_everyone",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def default_device(local_rank: int) -> torch.device:
+    """The device a process with this local rank should use: its GPU, else mps, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _as_timeout(value: float | timedelta | None) -> timedelta:
+    if value is None:
+        return _DEFAULT_TIMEOUT
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise ValueError(
+            f"init_distributed: timeout={value!r} must be a positive number of seconds or a "
+            "datetime.timedelta, e.g. timeout=600."
+        )
+    return timedelta(seconds=seconds)
+
+
+def _resolve(
+    arguments: Mapping[str, Any], environ: Mapping[str, str], config: Any
+) -> dict[str, tuple[Any, str]]:
+    # Precedence, highest first: argument, launcher variable, config file, default.
+    settings: dict[str, tuple[Any, str]] = {"precision": ("fp32", "default")}
+    settings["grad_accum_steps"] = (1, "default")
+    settings["seed"] = (None, "default")
+    if config is None and _config.ENV_CONFIG_FILE in environ:
+        config = environ[_config.ENV_CONFIG_FILE]
+    if config is not None:
+        parsed = config if isinstance(config, _config.Config) else _config.load_config(config)
+        label = "config" if isinstance(config, _config.Config) else f"config {config}"
+        settings.update(_config.config_settings(parsed, label))
+    settings.update(_config.env_settings(environ))
+    for name, value in arguments.items():
+        if value is not None:
+            settings[name] = (value, "argument")
+    return settings
+
+
+def init_distributed(
+    *,
+    precision: Precision | None = None,
+    grad_accum_steps: int | None = None,
+    backend: Backend | None = None,
+    device: str | torch.device | None = None,
+    timeout: float | timedelta | None = None,
+    seed: int | None = None,
+    config: str | os.PathLike[str] | _config.Config | None = None,
+) -> RunContext:
+    """Join the run this process was launched into and return its `RunContext`.
+
+    Works under `accel launch` / torchrun, under SLURM's `srun`, and as a plain `python` process
+    (world_size 1, no process group). Arguments override the launcher's `ACCEL_*` variables,
+    which override the config file; `ctx.describe()` shows which won.
+
+    Args:
+        precision: "fp32", "bf16" or "fp16" autocast.
+        grad_accum_steps: micro-batches per optimizer step.
+        backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise.
+        device: the device to use; by default this local rank's GPU, else mps, else cpu.
+        timeout: seconds (or a timedelta) a collective may wait before it fails.
+        seed: base seed recorded in the context (seed the RNGs with `accel.set_seed`).
+        config: a YAML config file (accel's or Accelerate's) or a `Config`.
+
+    Returns:
+        The context to pass to every other accel call. Call `shutdown(ctx)` at the end.
+
+    Example:
+        >>> ctx = init_distributed(device="cpu")  # a plain python process
+        >>> ctx.world_size, ctx.process_group is None
+        (1, True)
+    """
+    wait = _as_timeout(timeout)
+    launch = parse_launch_env(os.environ)
+    arguments = {"precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed}
+    settings = _resolve(arguments, os.environ, config)
+    if device is not None:
+        chosen, device_source = torch.device(device), "argument"
+    else:
+        chosen, device_source = default_device(launch.local_rank), "default"
+    if chosen.type == "cuda":
+        # The one torch-wide switch accel flips: NCCL and autocast use the current device.
+        torch.cuda.set_device(chosen)
+    group: Any = None
+    backend_source = "argument" if backend is not None else "default"
+    if launch.world_size > 1:
+        if backend is None:
+            backend = "nccl" if chosen.type == "cuda" else "gloo"
+        group = _connect(launch, backend, wait)
+    sources = {name: source for name, (_, source) in settings.items()}
+    topology_source = "default" if launch.launcher == "none" else f"launcher {launch.launcher}"
+    for name in ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "num_nodes"):
+        sources[name] = topology_source
+    sources |= {
+        "device": device_source,
+        "backend": backend_source,
+        "timeout": "argument" if timeout is not None else "default",
+        "process_group": "init_distributed" if group is not None else "default",
+    }
+    return RunContext(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        node_rank=launch.node_rank,
+        num_nodes=launch.num_nodes,
+        device=chosen,
+        backend=backend if group is not None else None,
+        precision=settings["precision"][0],
+        grad_accum_steps=settings["grad_accum_steps"][0],
+        seed=settings["seed"][0],
+        timeout=wait,
+        process_group=group,
+        sources=sources,
+    )
+
+
+def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> Any:
+    if dist.is_initialized():
+        # The caller (or another framework) made the default group: join it rather than fail.
+        if dist.get_world_size() != launch.world_size:
+            raise RuntimeError(
+                f"init_distributed: a process group of world_size={dist.get_world_size()} "
+                f"already exists but the launcher says world_size={launch.world_size}."
+            )
+        return dist.group.WORLD
+    if launch.launcher == "torchrun":
+        init_method = "env://"  # honours torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
+    else:
+        init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+    )
+    return dist.group.WORLD
+
+
+def shutdown(ctx: RunContext) -> None:
+    """Destroy the context's process group (a no-op for a one-process context).
+
+    Example:
+        >>> shutdown(init_distributed(device="cpu"))
+    """
+    if ctx.process_group is not None and dist.is_initialized():
+        dist.destroy_process_group(ctx.process_group)
+
+
+def wait_for_everyone(ctx: RunContext) -> None:
+    """Block until every rank of the context reaches this call (a barrier).
+
+    Example:
+        >>> wait_for_everyone(RunContext())
+    """
+    if ctx.world_size == 1:
+        return
+    group = require_group(ctx, "wait_for_everyone")
+    with named_collective(ctx, "wait_for_everyone"):
+        if ctx.backend == "nccl":
+            dist.barrier(group=group, device_ids=[ctx.device.index or 0])
+        else:
+            dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def main_process_first(ctx: RunContext) -> Iterator[None]:
+    """Run the body on rank 0 first, then on the other ranks (e.g. download, then read cache).
+
+    Example:
+        >>> with main_process_first(RunContext()):
+        ...     pass
+    """
+    if not ctx.is_main:
+        wait_for_everyone(ctx)
+    try:
+        yield
+    finally:
+        # Release the others even when rank 0's body raised, so they fail fast instead of
+        # waiting out the collective timeout.
+        if ctx.is_main:
+            wait_for_everyone(ctx)
+
+
+def on_main_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Decorate a function so it runs on rank 0 only; elsewhere it returns None.
+
+    Example:
+        >>> @on_main_process(RunContext())
+        ... def hello() -> str:
+        ...     return "hi"
+        >>> hello()
+        'hi'
+    """
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            return fn(*args, **kwargs) if ctx.is_main else None
+
+        return wrapper
+
+    return decorate
+
+
+def run_on_main(ctx: RunContext, fn: Callable[..., R], *args: Any) -> R | None:
+    """Call `fn(*args)` on rank 0 and return its result there; other ranks get None.
+
+    Example:
+        >>> run_on_main(RunContext(), max, 1, 2)
+        2
+    """
+    return fn(*args) if ctx.is_main else None
+
+
+def any_rank(ctx: RunContext, flag: bool) -> bool:
+    """Return True on every rank if `flag` is true on any rank (e.g. to stop early together).
+
+    Example:
+        >>> any_rank(RunContext(), False)
+        False
+    """
+    if ctx.world_size == 1:
+        return bool(flag)
+    group = require_group(ctx, "any_rank")
+    value = torch.tensor([int(bool(flag))], device=comm_device(ctx))
+    with named_collective(ctx, "any_rank"):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def split_between_processes(ctx: RunContext, items: T, *, pad: bool = False) -> T:
+    """Return this rank's contiguous share of `items` (a list, tuple, tensor or dict of them).
+
+    Shares differ by at most one element, the first ranks taking the extra ones, as in
+    Accelerate. With `pad=True` the shorter shares repeat their last element so every rank gets
+    the same length (drop the padding after gathering). Nothing needs undoing afterwards, so
+    Accelerate's `with accelerator.split_between_processes(x) as part:` becomes
+    `part = split_between_processes(ctx, x)`.
+
+    Example:
+        >>> ctx = RunContext(rank=1, world_size=2)
+        >>> split_between_processes(ctx, ["a", "b", "c"])
+        ['c']
+        >>> split_between_processes(ctx, ["a", "b", "c"], pad=True)
+        ['c', 'c']
+        >>> split_between_processes(ctx, {"x": [1, 2, 3, 4]})
+        {'x': [3, 4]}
+    """
+    if isinstance(items, Mapping):
+        lengths = {len(v) for v in items.values()}
+        if len(lengths) > 1:
+            raise ValueError(
+                "split_between_processes: the values of the dict have different lengths "
+                f"{sorted(lengths)}; every value must have the same length to be split together."
+            )
+        return type(items)({k: _share(ctx, v, pad) for k, v in items.items()})  # type: ignore[call-arg]
+    if not isinstance(items, (Sequence, torch.Tensor)) or isinstance(items, (str, bytes)):
+        raise TypeError(
+            f"split_between_processes: items is a {type(items).__name__}; expected a list, "
+            "tuple, tensor or a dict of those."
+        )
+    return _share(ctx, items, pad)  # type: ignore[no-any-return]
+
+
+def _share(ctx: RunContext, items: Any, pad: bool) -> Any:
+    total = len(items)
+    base, extra = divmod(total, ctx.world_size)
+    start = ctx.rank * base + min(ctx.rank, extra)
+    stop = start + base + (1 if ctx.rank < extra else 0)
+    part = items[start:stop]
+    longest = base + (1 if extra else 0)
+    if not pad or len(part) == longest or total == 0:
+        return part
+    missing = longest - len(part)
+    last = items[-1:] if len(part) == 0 else part[-1:]
+    if isinstance(part, torch.Tensor):
+        return torch.cat([part, last.expand(missing, *last.shape[1:])])
+    return part + type(part)(last) * missing

@@ -1,0 +1,168 @@
+"""Run a function in several real processes, for tests of distributed code on a CPU.
+
+`run_world(fn, world_size=4)` spawns `world_size` processes that form a gloo process group
+through a TCP store the parent opened on port 0 (so parallel test runs never collide), calls
+`fn(ctx, *args)` in each and returns the results in rank order. A rank that raises makes the
+caller raise the same exception, with the rank's traceback attached; a world that outlives
+`timeout` is killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from accel.context import RunContext
+
+__all__ = ["RemoteTraceback", "run_world"]
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in a `run_world` rank."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: Sequence[Any],
+    outdir: str,
+) -> None:
+    out = Path(outdir)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        ctx = RunContext(
+            rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+            backend="gloo", timeout=timeout, process_group=dist.group.WORLD,
+            sources={"process_group": "accel.testing.run_world"},
+        )  # fmt: skip
+        try:
+            result = fn(ctx, *args)
+        finally:
+            # Written before the group goes down (which makes the other ranks fail too), so the
+            # first rank to raise is the one with the earliest error file.
+            dist.destroy_process_group()
+        _write(out / f"{rank}.result", pickle.dumps(result))
+    except BaseException as err:
+        when, text = time.monotonic_ns(), traceback.format_exc()
+        try:
+            payload = pickle.dumps((when, err, text))
+        except Exception:  # the exception itself may not pickle; keep its text
+            payload = pickle.dumps((when, RuntimeError(f"{type(err).__name__}: {err}"), text))
+        _write(out / f"{rank}.error", payload)
+        raise SystemExit(1) from None
+
+
+def _write(path: Path, data: bytes) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.rename(path)  # atomic: the parent never reads half a file
+
+
+def run_world(
+    fn: Callable[..., Any],
+    *,
+    world_size: int = 2,
+    timeout: float = 60,
+    args: Sequence[Any] = (),
+) -> list[Any]:
+    """Call `fn(ctx, *args)` in `world_size` spawned processes over gloo; return their results.
+
+    `fn` must be importable (defined at module top level) since the processes are spawned.
+    Each rank's `ctx` is a CPU `RunContext` whose collectives time out after `timeout` seconds.
+
+    Args:
+        fn: the function to run on every rank.
+        world_size: how many processes.
+        timeout: seconds the whole world may take; then every process is killed.
+        args: extra positional arguments for `fn` (picklable).
+
+    Returns:
+        The return values of `fn`, in rank order.
+
+    Raises:
+        Whatever the first failing rank raised (its traceback attached as the cause), or
+        TimeoutError naming the ranks still running at the deadline.
+
+    Example:
+        >>> from accel import gather
+        >>> # def rank_values(ctx): return gather(ctx, torch.tensor([ctx.rank])).tolist()
+        >>> # run_world(rank_values, world_size=2) == [[0, 1], [0, 1]]
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_world: world_size={world_size!r} must be an int >= 1.")
+    if timeout <= 0:
+        raise ValueError(f"run_world: timeout={timeout!r} must be a positive number of seconds.")
+    spawn = mp.get_context("spawn")
+    store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="accel-run-world-") as outdir:
+        procs = [
+            spawn.Process(
+                target=_worker,
+                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir),
+                name=f"accel-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            _join(procs, timeout, Path(outdir))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        return [
+            pickle.loads((Path(outdir) / f"{r}.result").read_bytes()) for r in range(world_size)
+        ]
+
+
+def _join(procs: list[Any], timeout: float, outdir: Path) -> None:
+    deadline = time.monotonic() + timeout
+    running = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while running:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"run_world: ranks {sorted(running.values())} were still running after "
+                f"timeout={timeout}s; they were killed. A rank is probably waiting in a "
+                "collective the others never called."
+            )
+        for sentinel in wait(list(running), timeout=left):
+            rank = running.pop(sentinel)
+            procs[rank].join()
+            if procs[rank].exitcode != 0:
+                _raise_rank_error(procs, rank, outdir)
+
+
+def _raise_rank_error(procs: list[Any], rank: int, outdir: Path) -> None:
+    errors = sorted((*pickle.loads(f.read_bytes()), int(f.stem)) for f in outdir.glob("*.error"))
+    if not errors:
+        raise RuntimeError(
+            f"run_world: rank {rank} exited with code {procs[rank].exitcode} without raising "
+            "a Python exception (killed, or a crash in native code)."
+        )
+    _, err, text, first = errors[0]  # the earliest failure is the cause of the others
+    raise err from RemoteTraceback(f"rank {first} of {len(procs)} raised:\n{text}")
