@@ -45,10 +45,21 @@ _REDUCE_OPS = MappingProxyType(
 
 
 def require_group(ctx: RunContext, fn: str) -> Any:
-    """Return the process group of a multi-process context, or raise naming `fn`."""
-    if ctx.process_group is None:
+    """Return the group to pass to torch.distributed for a multi-process context.
+
+    `ctx.process_group=None` means torch's default group, as `group=None` does in torch; it
+    must exist and match the context's world size. Raises naming `fn` otherwise.
+    """
+    if ctx.process_group is not None:
+        return ctx.process_group
+    if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(NOT_INITIALIZED_MSG.format(fn=fn, world_size=ctx.world_size))
-    return ctx.process_group
+    if dist.get_world_size() != ctx.world_size:
+        raise RuntimeError(
+            f"{fn}: the context has world_size={ctx.world_size} but torch's default process "
+            f"group has {dist.get_world_size()} ranks; pass process_group= for a sub-group."
+        )
+    return None
 
 
 def comm_device(ctx: RunContext) -> torch.device:
@@ -58,6 +69,8 @@ def comm_device(ctx: RunContext) -> torch.device:
 
 def global_rank(ctx: RunContext, group_rank: int) -> int:
     """Map a rank of `ctx.process_group` to the global rank torch's src arguments take."""
+    if ctx.process_group is None:
+        return group_rank
     return dist.get_global_rank(ctx.process_group, group_rank)
 
 

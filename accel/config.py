@@ -9,6 +9,7 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, no   |
 | `ACCEL_GRAD_ACCUM_STEPS` | `grad_accum_steps` | int >= 1               |
 | `ACCEL_SEED`             | `seed`             | int                    |
+| `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
 | `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
 """
 
@@ -30,6 +31,7 @@ __all__ = ["Config", "default_config_path", "load_config"]
 ENV_PRECISION = "ACCEL_PRECISION"
 ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
 ENV_SEED = "ACCEL_SEED"
+ENV_DEVICE = "ACCEL_DEVICE"
 ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
@@ -247,7 +249,12 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ValueError(f"load_config: {str(file)!r} is not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(
+            f"load_config: {str(file)!r} is not valid YAML{where}: {problem}."
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -266,6 +273,8 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             parse_precision(ENV_PRECISION, environ[ENV_PRECISION]),
             f"env {ENV_PRECISION}",
         )
+    if ENV_DEVICE in environ:
+        found["device"] = (environ[ENV_DEVICE], f"env {ENV_DEVICE}")
     for var, name in ((ENV_GRAD_ACCUM, "grad_accum_steps"), (ENV_SEED, "seed")):
         if var in environ:
             try:

@@ -75,8 +75,9 @@ class RunContext:
     timeout: timedelta | None = None
     """How long a collective may wait before failing (the process group's timeout)."""
     process_group: Any = None
-    """The torch.distributed ProcessGroup collectives run on, held by reference; None on one
-    process and in hand-built contexts."""
+    """The torch.distributed ProcessGroup collectives run on. None means torch's default group
+    (as `group=None` does in torch.distributed), which is what `init_distributed` and
+    `run_world` use; pass a sub-group (held by reference) to run on part of the world."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
 

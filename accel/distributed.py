@@ -7,6 +7,7 @@ backend, creates the process group and returns a `RunContext` recording every ch
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -117,30 +118,32 @@ def init_distributed(
     """
     wait = _as_timeout(timeout)
     launch = parse_launch_env(os.environ)
-    arguments = {"precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed}
+    arguments = {
+        "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,
+        "device": device,
+    }  # fmt: skip
     settings = _resolve(arguments, os.environ, config)
-    if device is not None:
-        chosen, device_source = torch.device(device), "argument"
+    if "device" in settings:
+        chosen = torch.device(settings["device"][0])
     else:
-        chosen, device_source = default_device(launch.local_rank), "default"
+        chosen = default_device(launch.local_rank)
+        settings["device"] = (chosen, "default")
     if chosen.type == "cuda":
         # The one torch-wide switch accel flips: NCCL and autocast use the current device.
         torch.cuda.set_device(chosen)
-    group: Any = None
     backend_source = "argument" if backend is not None else "default"
     if launch.world_size > 1:
         if backend is None:
             backend = "nccl" if chosen.type == "cuda" else "gloo"
-        group = _connect(launch, backend, wait)
+        _connect(launch, backend, wait)
     sources = {name: source for name, (_, source) in settings.items()}
     topology_source = "default" if launch.launcher == "none" else f"launcher {launch.launcher}"
     for name in ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "num_nodes"):
         sources[name] = topology_source
     sources |= {
-        "device": device_source,
         "backend": backend_source,
         "timeout": "argument" if timeout is not None else "default",
-        "process_group": "init_distributed" if group is not None else "default",
+        "process_group": "default group" if launch.world_size > 1 else "default",
     }
     return RunContext(
         rank=launch.rank,
@@ -150,17 +153,19 @@ def init_distributed(
         node_rank=launch.node_rank,
         num_nodes=launch.num_nodes,
         device=chosen,
-        backend=backend if group is not None else None,
+        backend=backend if launch.world_size > 1 else None,
         precision=settings["precision"][0],
         grad_accum_steps=settings["grad_accum_steps"][0],
         seed=settings["seed"][0],
         timeout=wait,
-        process_group=group,
         sources=sources,
     )
 
 
-def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> Any:
+def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
+    # The context refers to the default group as process_group=None rather than holding it:
+    # a gloo group still referenced when the interpreter finalizes can abort the process
+    # (https://github.com/pytorch/pytorch/pull/179291), and a RunContext often lives that long.
     if dist.is_initialized():
         # The caller (or another framework) made the default group: join it rather than fail.
         if dist.get_world_size() != launch.world_size:
@@ -168,7 +173,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> Any:
                 f"init_distributed: a process group of world_size={dist.get_world_size()} "
                 f"already exists but the launcher says world_size={launch.world_size}."
             )
-        return dist.group.WORLD
+        return
     if launch.launcher == "torchrun":
         init_method = "env://"  # honours torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
     else:
@@ -180,16 +185,25 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> Any:
         world_size=launch.world_size,
         timeout=timeout,
     )
-    return dist.group.WORLD
+    # A script that never calls shutdown() would otherwise destroy the group during interpreter
+    # finalization, which can abort the process; destroying it is local to this process.
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shutdown(ctx: RunContext) -> None:
-    """Destroy the context's process group (a no-op for a one-process context).
+    """Destroy the context's process group: the default group unless it names a sub-group.
+
+    A no-op for a one-process context.
 
     Example:
         >>> shutdown(init_distributed(device="cpu"))
     """
-    if ctx.process_group is not None and dist.is_initialized():
+    if ctx.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group(ctx.process_group)
 
 

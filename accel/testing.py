@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -51,26 +52,34 @@ def _worker(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
-        ctx = RunContext(
-            rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-            backend="gloo", timeout=timeout, process_group=dist.group.WORLD,
-            sources={"process_group": "accel.testing.run_world"},
-        )  # fmt: skip
-        try:
-            result = fn(ctx, *args)
-        finally:
-            # Written before the group goes down (which makes the other ranks fail too), so the
-            # first rank to raise is the one with the earliest error file.
-            dist.destroy_process_group()
-        _write(out / f"{rank}.result", pickle.dumps(result))
-    except BaseException as err:
-        when, text = time.monotonic_ns(), traceback.format_exc()
-        try:
-            payload = pickle.dumps((when, err, text))
-        except Exception:  # the exception itself may not pickle; keep its text
-            payload = pickle.dumps((when, RuntimeError(f"{type(err).__name__}: {err}"), text))
-        _write(out / f"{rank}.error", payload)
+    except BaseException:
+        _record_error(out, rank)
         raise SystemExit(1) from None
+    ctx = RunContext(
+        rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+        backend="gloo", timeout=timeout, sources={"process_group": "accel.testing.run_world"},
+    )  # fmt: skip
+    try:
+        result = fn(ctx, *args)
+    except BaseException:
+        # Recorded before the group goes down (which makes the other ranks fail too), so the
+        # first rank to raise is the one with the earliest error record.
+        _record_error(out, rank)
+        raise SystemExit(1) from None
+    finally:
+        dist.destroy_process_group()
+    _write(out / f"{rank}.result", pickle.dumps(result))
+
+
+def _record_error(out: Path, rank: int) -> None:
+    when, (kind, err, _) = time.monotonic_ns(), sys.exc_info()
+    text = traceback.format_exc()
+    try:
+        payload = pickle.dumps((when, err, text))
+    except Exception:  # the exception itself may not pickle; keep its text
+        name = kind.__name__ if kind else "Exception"
+        payload = pickle.dumps((when, RuntimeError(f"{name}: {err}"), text))
+    _write(out / f"{rank}.error", payload)
 
 
 def _write(path: Path, data: bytes) -> None:

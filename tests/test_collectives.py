@@ -51,7 +51,9 @@ def test_bad_arguments_name_the_argument() -> None:
     ],
 )
 def test_multi_rank_context_without_group_raises_runtime_error(call) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(RuntimeError, match=r"but no process group; collectives need one"):
+    with pytest.raises(
+        RuntimeError, match=r"but no process group is initialised; collectives need one"
+    ):
         call(RunContext(rank=0, world_size=2))
 
 

@@ -1,0 +1,9 @@
+"""The `accel` command: config, launch, env, test, estimate-memory.
+
+Every subcommand turns a bad argument, config key or path into one line on stderr and exit
+code 2, with no traceback; failures of the launched script exit with code 1.
+"""
+
+from accel.cli._main import main
+
+__all__ = ["main"]

@@ -1,0 +1,66 @@
+"""`accel env`: versions, devices, memory and the config in force, for bug reports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+from accel import config as _config
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("env", help="print versions, devices and config for bug reports")
+    parser.set_defaults(run=run)
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _memory_gib() -> str:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return "unknown"
+    return f"{pages * size / 2**30:.1f} GiB"
+
+
+def report() -> str:
+    import torch
+
+    lines = [
+        f"- accel: {_version('accel')}",
+        f"- torch: {torch.__version__}",
+        f"- Python: {platform.python_version()} ({platform.platform()})",
+        *(f"- {p}: {_version(p)}" for p in ("numpy", "safetensors", "pyyaml")),
+        f"- CPU cores: {os.cpu_count()}, memory: {_memory_gib()}",
+        f"- torch.distributed: {torch.distributed.is_available()}, gloo: "
+        f"{torch.distributed.is_gloo_available()}, nccl: {torch.distributed.is_nccl_available()}",
+        f"- CUDA available: {torch.cuda.is_available()}",
+    ]
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        lines.append(f"  - cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    lines.append(f"- MPS available: {torch.backends.mps.is_available()}")
+    path = _config.default_config_path()
+    if path.is_file():
+        lines.append(f"- Config in force: {path}")
+        config = _config.load_config(path)
+        lines += [f"  - {k}: {v}" for k, v in dataclasses.asdict(config).items()]
+    else:
+        lines.append(f"- Config in force: none ({path} does not exist; defaults apply)")
+    settings = {k: v for k, v in os.environ.items() if k.startswith("ACCEL_")}
+    lines += [f"- {k}={v}" for k, v in sorted(settings.items())]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(report())
+    return 0

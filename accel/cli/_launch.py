@@ -1,0 +1,166 @@
+"""`accel launch`: start a script on every process of the run through torch.distributed.run.
+
+accel only translates its flags and config file (accel's or Accelerate's YAML) into torchrun's
+arguments and a few `ACCEL_*` variables for the workers; torchrun's elastic agent does the
+spawning, restarts and rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from accel import config as _config
+from accel.cli._args import add_flag
+
+# Flags that override a config key of the same name, and their types.
+_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
+    ("num_processes", int, "processes in total, over all machines"),
+    ("num_machines", int, "machines taking part"),
+    ("machine_rank", int, "this machine's index"),
+    ("main_process_ip", str, "address of machine 0 (the rendezvous host)"),
+    ("main_process_port", int, "rendezvous port; 0 picks a free one (one machine only)"),
+    ("rdzv_backend", str, "torchrun rendezvous backend: static or c10d"),
+    ("max_restarts", int, "how often the elastic agent restarts failed workers"),
+    ("monitor_interval", float, "seconds between the agent's checks on its workers"),
+    ("mixed_precision", str, "fp32 (or Accelerate's 'no'), bf16 or fp16"),
+    ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
+    ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
+    ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
+    ("seed", int, "base seed recorded in every process's RunContext"),
+)
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run a script on every process of the run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flag(parser, "config_file", default=None, help="YAML config (accel's or Accelerate's)")
+    for name, kind, text in _OVERRIDES:
+        add_flag(parser, name, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--grad_accum_steps", "--grad-accum-steps", dest="gradient_accumulation_steps",
+        type=int, help=argparse.SUPPRESS,
+    )  # fmt: skip
+    add_flag(parser, "use_cpu", action="store_true", default=None, help="ignore GPUs")
+    add_flag(parser, "log_dir", default=None, help="write each worker's output under this folder")
+    add_flag(parser, "tee", default=None, help="torchrun --tee: 0 none, 1 stdout, 2 stderr, 3 both")
+    parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
+    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    parser.set_defaults(run=run)
+
+
+def resolve_config(args: argparse.Namespace) -> _config.Config:
+    """Merge the config file (explicit, else the default path if present) and the flags."""
+    path = args.config_file
+    if path is None and _config.default_config_path().is_file():
+        path = _config.default_config_path()
+    base = _config.load_config(path) if path is not None else _config.Config()
+    merged = dataclasses.asdict(base)
+    for name, *_ in _OVERRIDES:
+        if getattr(args, name) is not None:
+            merged[name] = getattr(args, name)
+    if args.use_cpu:
+        merged["use_cpu"] = True
+    return _config.parse_config(merged, origin="accel launch")
+
+
+def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]:
+    """Translate a launch config into torchrun's command line."""
+    machines, total = config.num_machines, config.num_processes
+    if total % machines:
+        raise ValueError(
+            f"num_processes={total} is not divisible by num_machines={machines}; "
+            "num_processes counts processes over all machines (as in Accelerate's config)."
+        )
+    argv = [
+        "--nnodes", str(machines), "--nproc-per-node", str(total // machines),
+        "--max-restarts", str(config.max_restarts),
+        "--monitor-interval", str(config.monitor_interval),
+    ]  # fmt: skip
+    port = config.main_process_port
+    if machines == 1 and not port:
+        argv.append("--standalone")  # c10d rendezvous on localhost:0, a free port
+    elif machines == 1:
+        _check_port_free(port)
+        argv += ["--master-addr", config.main_process_ip or "127.0.0.1", "--master-port", str(port)]
+    else:
+        if not config.main_process_ip or not port:
+            raise ValueError(
+                f"num_machines={machines} needs --main_process_ip and a non-zero "
+                "--main_process_port that every machine can reach (machine 0's address)."
+            )
+        if config.rdzv_backend == "static":
+            if config.machine_rank == 0:
+                _check_port_free(port)
+            argv += [
+                "--node-rank", str(config.machine_rank),
+                "--master-addr", config.main_process_ip, "--master-port", str(port),
+            ]  # fmt: skip
+        else:
+            endpoint = f"{config.main_process_ip}:{port}"
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+            argv += ["--rdzv-id", f"accel-{endpoint}"]
+    if args.log_dir:
+        argv += ["--log-dir", args.log_dir]
+    if args.tee:
+        argv += ["--tee", args.tee]
+    if args.module:
+        argv.append("--module")
+    elif not Path(args.script).is_file():
+        raise FileNotFoundError(f"script={args.script!r} does not exist.")
+    return [*argv, args.script, *args.script_args]
+
+
+def _check_port_free(port: int | None) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", int(port or 0)))
+        except OSError:
+            raise ValueError(
+                f"main_process_port={port} is in use on this machine; pass another port, or "
+                "--main_process_port 0 on a single machine to pick a free one."
+            ) from None
+
+
+def worker_environment(config: _config.Config) -> dict[str, str]:
+    """The variables that carry the settings to `init_distributed` in each worker."""
+    env = {
+        _config.ENV_PRECISION: config.mixed_precision,
+        _config.ENV_GRAD_ACCUM: str(config.gradient_accumulation_steps),
+    }
+    if config.seed is not None:
+        env[_config.ENV_SEED] = str(config.seed)
+    if config.use_cpu:
+        env[_config.ENV_DEVICE] = "cpu"
+    if config.gpu_ids not in (None, "all"):
+        env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
+    if config.num_cpu_threads_per_process is not None:
+        env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    config = resolve_config(args)
+    argv = torchrun_argv(config, args)
+    # This is the launcher process, not library code: the workers inherit its environment,
+    # which is the documented channel to init_distributed (see accel.config).
+    os.environ.update(worker_environment(config))
+    try:
+        torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
+    except ChildFailedError as err:
+        print(f"accel launch: the script failed.\n{err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,71 @@
+"""The checks `accel test` runs on every process (as `python -m accel.cli._selftest_worker`)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel
+
+import accel
+
+
+def check_collectives(ctx: accel.RunContext) -> None:
+    n = ctx.world_size
+    mine = torch.tensor([2.0 * ctx.rank + 1, 2.0 * ctx.rank + 2])
+    got = accel.gather(ctx, mine).tolist()
+    assert got == [float(i) for i in range(1, 2 * n + 1)], f"gather gave {got}"
+    assert accel.reduce(ctx, mine, op="max").tolist() == [2.0 * n - 1, 2.0 * n], "reduce max"
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+def check_ddp_step(ctx: accel.RunContext) -> torch.nn.Module:
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1)
+    model.load_state_dict(reference.state_dict())
+    wrapped = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    x, y = _data(ctx.rank)
+    torch.nn.functional.mse_loss(wrapped(x), y).backward()  # type: ignore[no-untyped-call]
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    # The same step on the full batch of every rank, computed here without communication.
+    xs, ys = zip(*(_data(r) for r in range(ctx.world_size)), strict=True)
+    loss = torch.nn.functional.mse_loss(reference(torch.cat(xs)), torch.cat(ys))
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), "DDP step differs from the full-batch step"
+    return model
+
+
+def check_checkpoint(ctx: accel.RunContext, model: torch.nn.Module) -> None:
+    folder = accel.broadcast_object(
+        ctx, tempfile.mkdtemp(prefix="accel-test-") if ctx.is_main else ""
+    )
+    path = Path(folder) / "model.safetensors"
+    if ctx.is_main:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    accel.wait_for_everyone(ctx)
+    loaded = load_file(str(path))
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded[name], value), f"checkpoint round trip changed {name}"
+    accel.wait_for_everyone(ctx)
+
+
+def main() -> None:
+    ctx = accel.init_distributed()
+    check_collectives(ctx)
+    model = check_ddp_step(ctx)
+    check_checkpoint(ctx, model)
+    print(f"accel test: rank {ctx.rank} of {ctx.world_size} ok ({ctx.backend}, {ctx.device})")
+    accel.shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main()

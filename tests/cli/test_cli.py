@@ -1,0 +1,277 @@
+"""The `accel` command as a user runs it: real subprocesses, real files, real launches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accel.cli import _launch
+from accel.config import Config
+from tests.test_config import ACCELERATE_SAMPLE
+
+REPO = Path(__file__).resolve().parents[2]
+
+REPORT_SCRIPT = """
+import json, sys
+import accel
+ctx = accel.init_distributed()
+ranks = accel.gather_object(ctx, ctx.rank)
+with open(f"{sys.argv[1]}/{ctx.rank}.json", "w") as f:
+    json.dump({"rank": ctx.rank, "world_size": ctx.world_size, "precision": ctx.precision,
+               "grad_accum_steps": ctx.grad_accum_steps, "seen": ranks, "device": str(ctx.device),
+               "sources": dict(ctx.sources)}, f)
+accel.shutdown(ctx)
+"""
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "RANK", "WORLD"))}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")  # no user config leaks in
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def accel_cli(
+    tmp_path: Path, *argv: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "accel", *argv], env=_env(tmp_path), input=stdin,
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def _reports(folder: Path, n: int) -> list[dict]:
+    return [json.loads((folder / f"{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "report.py"
+    path.write_text(REPORT_SCRIPT)
+    return path
+
+
+def test_launch_two_processes_with_flags(tmp_path: Path, script: Path) -> None:
+    out = accel_cli(
+        tmp_path, "launch", "--num-processes", "2", "--mixed_precision", "bf16",
+        "--gradient-accumulation-steps", "4", str(script), str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for rank, report in enumerate(_reports(tmp_path, 2)):
+        assert (report["rank"], report["world_size"], report["seen"]) == (rank, 2, [0, 1])
+        assert (report["precision"], report["grad_accum_steps"]) == ("bf16", 4)
+        assert report["sources"]["precision"] == "env ACCEL_PRECISION"
+
+
+def test_launch_reads_an_accelerate_config_file(tmp_path: Path, script: Path) -> None:
+    config = tmp_path / "default_config.yaml"
+    config.write_text(ACCELERATE_SAMPLE)  # num_processes: 2, mixed_precision: fp16, use_cpu
+    out = accel_cli(tmp_path, "launch", "--config_file", str(config), str(script), str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    reports = _reports(tmp_path, 2)
+    assert [(r["world_size"], r["precision"], r["device"]) for r in reports] == [
+        (2, "fp16", "cpu")
+    ] * 2
+
+
+def test_flags_override_the_default_config_written_by_accel_config(
+    tmp_path: Path, script: Path
+) -> None:
+    answers = "1\n2\nyes\nbf16\n3\n"  # machines, processes, cpu, precision, accumulation
+    written = accel_cli(tmp_path, "config", stdin=answers)
+    assert written.returncode == 0, written.stderr
+    default = tmp_path / "xdg" / "accel" / "default_config.yaml"
+    shown = accel_cli(tmp_path, "config", "--show")
+    assert f"Config in force: {default}" in shown.stdout and "mixed_precision: bf16" in shown.stdout
+    out = accel_cli(tmp_path, "launch", "--mixed_precision", "fp32", str(script), str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    reports = _reports(tmp_path, 2)
+    assert [(r["precision"], r["grad_accum_steps"]) for r in reports] == [("fp32", 3)] * 2
+
+
+def test_config_default_and_truncated_answers(tmp_path: Path) -> None:
+    target = tmp_path / "c.yaml"
+    assert accel_cli(tmp_path, "config", "--default", "--config-file", str(target)).returncode == 0
+    assert "num_processes: 1" in target.read_text()
+    out = accel_cli(tmp_path, "config", "--config_file", str(target), stdin="1\n")
+    assert out.returncode == 2
+    assert "input ended before 'How many processes in total?' was answered" in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TRAIN_SCRIPT = """
+import json, sys, torch
+import accel
+from torch.nn.parallel import DistributedDataParallel
+ctx = accel.init_distributed()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+ddp = DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    g = torch.Generator().manual_seed(10 * step + ctx.rank)
+    x, y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+with open(f"{sys.argv[1]}/{ctx.rank}.json", "w") as f:
+    json.dump({"node": ctx.node_rank, "world": ctx.world_size,
+               "params": [p.tolist() for p in model.parameters()]}, f)
+accel.shutdown(ctx)
+"""
+
+
+def test_two_machines_on_one_host_train_and_agree(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    port = str(_free_port())
+    common = ["launch", "--num_machines", "2", "--num_processes", "2", "--main_process_ip",
+              "127.0.0.1", "--main_process_port", port]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accel",
+                *common,
+                "--machine_rank",
+                str(r),
+                str(script),
+                str(tmp_path),
+            ],
+            env=_env(tmp_path),
+            cwd=tmp_path,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    reports = _reports(tmp_path, 2)
+    assert [(r["node"], r["world"]) for r in reports] == [(0, 2), (1, 2)]
+    assert reports[0]["params"] == reports[1]["params"]
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "message"),
+    [
+        ("num_processes: [2\n", [], "is not valid YAML"),
+        ("num_procs: 2\n", [], "unknown key 'num_procs'"),
+        ("num_processes: -3\n", [], "num_processes=-3 must be an integer >= 1"),
+        ("", ["--num_processes", "-3"], "num_processes=-3 must be an integer >= 1"),
+        (
+            "",
+            [
+                "--num_processes",
+                "3",
+                "--num_machines",
+                "2",
+                "--main_process_ip",
+                "h",
+                "--main_process_port",
+                "1",
+            ],
+            "num_processes=3 is not divisible by num_machines=2",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_a_non_zero_exit(
+    tmp_path: Path, script: Path, config: str, flags: list[str], message: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(config)
+    out = accel_cli(tmp_path, "launch", "--config_file", str(path), *flags, str(script))
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_missing_script_and_busy_port(tmp_path: Path) -> None:
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", "nope.py")
+    assert (
+        out.returncode == 2
+        and out.stderr.strip() == "accel launch: error: script='nope.py' does not exist."
+    )
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = accel_cli(tmp_path, "launch", "--main_process_port", str(port), "x.py")
+    assert out.returncode == 2 and f"main_process_port={port} is in use" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_failing_script_exits_non_zero(tmp_path: Path) -> None:
+    failing = tmp_path / "fail.py"
+    failing.write_text("raise SystemExit(3)\n")
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", str(failing))
+    assert out.returncode == 1 and "accel launch: the script failed" in out.stderr
+
+
+def test_env_and_help_and_selftest(tmp_path: Path) -> None:
+    env = accel_cli(tmp_path, "env")
+    assert (
+        env.returncode == 0 and "- torch: " in env.stdout and "Config in force: none" in env.stdout
+    )
+    for command in ("config", "launch", "env", "test", "estimate-memory"):
+        assert accel_cli(tmp_path, command, "--help").returncode == 0
+    selftest = accel_cli(tmp_path, "test", "--num_processes", "2")
+    assert selftest.returncode == 0, selftest.stderr
+    assert "rank 1 of 2 ok" in selftest.stdout and "accel test: passed" in selftest.stdout
+
+
+def test_estimate_memory_counts_tied_weights_once(tmp_path: Path) -> None:
+    out = accel_cli(tmp_path, "estimate-memory", "tests.cli.models:tied_lm")
+    assert out.returncode == 0, out.stderr
+    # 100*16 (tied, once) + 16*32+32 + 32*16+16 + 8 (buffer) = 2680 elements
+    assert "2,680 elements; largest layer '0' (1,600)" in out.stdout
+    assert "| float32 | 6.25 KiB | 10.47 KiB | 41.88 KiB |" in out.stdout
+    bad = accel_cli(tmp_path, "estimate-memory", "tests.cli.models")
+    assert bad.returncode == 2 and "must look like 'package.module:callable'" in bad.stderr
+
+
+def test_torchrun_arguments_for_each_topology() -> None:
+    args = argparse.Namespace(log_dir=None, tee=None, module=True, script="m", script_args=["--x"])
+    single = _launch.torchrun_argv(Config(num_processes=4), args)
+    assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "4"] and "--standalone" in single
+    assert single[-3:] == ["--module", "m", "--x"]
+    static = _launch.torchrun_argv(
+        Config(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="h",
+               main_process_port=9, max_restarts=2), args)  # fmt: skip
+    assert static[:8] == ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2",
+                          "--monitor-interval", "0.1"]  # fmt: skip
+    assert static[8:14] == ["--node-rank", "1", "--master-addr", "h", "--master-port", "9"]
+    c10d = _launch.torchrun_argv(
+        Config(num_processes=2, num_machines=2, main_process_ip="h", main_process_port=9,
+               rdzv_backend="c10d"), args)  # fmt: skip
+    assert "--rdzv-endpoint" in c10d and c10d[c10d.index("--rdzv-endpoint") + 1] == "h:9"
+
+
+def test_worker_environment_carries_the_settings() -> None:
+    env = _launch.worker_environment(
+        Config(
+            mixed_precision="fp16",
+            gradient_accumulation_steps=2,
+            seed=5,
+            use_cpu=True,
+            gpu_ids="0,1",
+            num_cpu_threads_per_process=3,
+        )
+    )
+    assert env == {
+        "ACCEL_PRECISION": "fp16", "ACCEL_GRAD_ACCUM_STEPS": "2", "ACCEL_SEED": "5",
+        "ACCEL_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "3",
+    }  # fmt: skip
