@@ -19,8 +19,8 @@ test: $(STAMP)
 	$(PYTEST) -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check accel tests examples benchmarks
-	$(VENV)/bin/ruff format --check accel tests examples benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy accel

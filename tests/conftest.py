@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch._dynamo  # noqa: F401  (imported once here: its import sets TORCHINDUCTOR_CACHE_DIR)
 import torch.distributed as dist
 
 
