@@ -1,5 +1,6 @@
 """accel: distributed PyTorch training as small functions over an explicit `RunContext`."""
 
+from accel.batch_size import find_executable_batch_size
 from accel.collectives import (
     broadcast,
     broadcast_object,
@@ -31,6 +32,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "default_config_path",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
     "get_logger",

@@ -12,6 +12,7 @@ PUBLIC_API = [
     "broadcast",
     "broadcast_object",
     "default_config_path",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
     "get_logger",

@@ -1,0 +1,100 @@
+"""Find the largest batch size that fits in memory by halving on out-of-memory errors."""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar, overload
+
+import torch
+
+__all__ = ["find_executable_batch_size"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Messages PyTorch uses for allocation failures that are not `torch.OutOfMemoryError`.
+_OOM_MESSAGES = (
+    "out of memory",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure on any device (CUDA, MPS, XPU or CPU)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+    if torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+
+
+@overload
+def find_executable_batch_size(
+    fn: Callable[Concatenate[int, P], R], *, start: int
+) -> Callable[P, R]: ...
+@overload
+def find_executable_batch_size(
+    fn: None = None, *, start: int
+) -> Callable[[Callable[Concatenate[int, P], R]], Callable[P, R]]: ...
+def find_executable_batch_size(fn: Any = None, *, start: int) -> Any:
+    """Call `fn(batch_size, *args)` from `start`, halving the batch size after each OOM.
+
+    Returns a function taking the remaining arguments of `fn`. Works as a decorator too::
+
+        @find_executable_batch_size(start=256)
+        def train(batch_size: int) -> float: ...
+
+        train()  # tries 256, then 128, 64, ... until one fits
+
+    Errors other than out-of-memory propagate unchanged on the first try. The same rule is applied
+    on every rank, so ranks whose memory differs can settle on different sizes: when the batch size
+    must agree across processes, take the minimum with `accel.reduce(ctx, ..., op="min")`.
+
+    Example:
+
+    >>> find_executable_batch_size(lambda b: b, start=8)()
+    8
+    """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+        raise ValueError(
+            f"find_executable_batch_size: start={start!r} must be a positive integer, "
+            "the first batch size to try."
+        )
+    if fn is None:
+        return functools.partial(find_executable_batch_size, start=start)
+    if not callable(fn):
+        raise TypeError(
+            f"find_executable_batch_size: fn={fn!r} is not callable; pass the function that "
+            "takes the batch size as its first argument."
+        )
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        batch_size = start
+        while True:
+            try:
+                return fn(batch_size, *args, **kwargs)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                _free_memory()
+                if batch_size == 1:
+                    raise RuntimeError(
+                        f"find_executable_batch_size: even batch size 1 ran out of memory "
+                        f"(started at {start}); the model or its inputs do not fit: reduce the "
+                        "model, sequence length or precision."
+                    ) from error
+                batch_size //= 2
+
+    return run
