@@ -198,12 +198,14 @@ def _destroy_default_group() -> None:
 def shutdown(ctx: RunContext) -> None:
     """Destroy the context's process group: the default group unless it names a sub-group.
 
-    A no-op for a one-process context.
+    A no-op for a one-process context without a group (`init_distributed` in a plain `python`
+    process); a one-rank group (`run_world(fn, world_size=1)`) is destroyed too.
 
     Example:
         >>> shutdown(init_distributed(device="cpu"))
     """
-    if ctx.world_size > 1 and dist.is_initialized():
+    has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
+    if has_group and dist.is_initialized():
         dist.destroy_process_group(ctx.process_group)
 
 

@@ -67,7 +67,8 @@ def _worker(
         _record_error(out, rank)
         raise SystemExit(1) from None
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have called accel.shutdown(ctx) itself
+            dist.destroy_process_group()
     _write(out / f"{rank}.result", pickle.dumps(result))
 
 
