@@ -3,10 +3,13 @@
 Every function takes the context first and runs on `ctx.process_group`, so two contexts in one
 process (say, the whole world and a sub-group) never mix. On one process each returns its input.
 
-Before moving data, the ranks agree on what they hold: each sends an 8-byte hash of its
-structure, shapes and dtypes in one small all-gather. If the hashes differ, the ranks swap full
-descriptions and every rank raises the same error naming the ranks and shapes, instead of
-hanging in a collective with mismatched sizes or returning garbage.
+Before moving data, the ranks agree on what they hold. Each rank all-gathers one buffer of a
+size every rank knows without asking (`_round_bytes(world_size)`): an 8-byte hash of its
+structure, shapes and dtypes, then, when they fit, the bytes of its tensors. If the hashes
+differ, the ranks swap full descriptions and every rank raises the same error naming the ranks
+and shapes, instead of hanging in a collective with mismatched sizes or returning garbage. If
+they agree and the data came along (small inputs: a loss, a batch of predictions), that one
+collective was the whole call; otherwise a second round moves the data, now known to match.
 """
 
 from __future__ import annotations
@@ -107,22 +110,80 @@ def _structure(td: TreeDef) -> str:
     return f"{td.kind}{list(td.keys) if td.keys else ''}({inner})"
 
 
-def _check_agreement(ctx: RunContext, fn: str, description: str, hint: str, group: Any) -> None:
+_HEADER_BYTES = 16  # the int64 hash, then 8 bytes that keep the payload 16-byte aligned
+_ROUND_TOTAL_BYTES = 32 * 1024
+# What each rank receives in the first round, all ranks together. On gloo over loopback an
+# all-gather of 16 KiB per rank takes as long as one of 16 bytes (benchmarks/collectives.py),
+# so small inputs ride along with the hash for free; the budget shrinks per rank as the world
+# grows, so a scalar gathered over 1024 ranks still moves only 32 KiB.
+
+
+def _round_bytes(world_size: int) -> int:
+    return max(_HEADER_BYTES + 240, _ROUND_TOTAL_BYTES // world_size) // 16 * 16
+
+
+def _layout(leaves: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, end = [], _HEADER_BYTES
+    for t in leaves:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // 16) * 16
+    return offsets, end
+
+
+def _exchange(
+    ctx: RunContext,
+    fn: str,
+    description: str,
+    leaves: Sequence[torch.Tensor],
+    hint: str,
+    group: Any,
+) -> tuple[torch.Tensor | None, list[int]]:
+    """All-gather the hash of `description` and, if they fit, the bytes of `leaves`.
+
+    Returns every rank's row (uint8 [world_size, _round_bytes]) and the byte offset of each
+    leaf in it, or None instead of the rows when the leaves did not fit (the caller moves
+    them itself, knowing that every rank holds the same shapes). Raises on every rank when the
+    descriptions differ.
+    """
     digest = hashlib.blake2b(description.encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=comm_device(ctx))
-    everyone = torch.empty(ctx.world_size, dtype=torch.int64, device=mine.device)
+    size = _round_bytes(ctx.world_size)
+    offsets, end = _layout(leaves)
+    inline = end <= size
+    device = comm_device(ctx)
+    row = torch.empty(size, dtype=torch.uint8, device=device)
+    row[:8].view(torch.int64).fill_(int.from_bytes(digest, "little", signed=True))
+    if inline:
+        for t, offset in zip(leaves, offsets, strict=True):
+            nbytes = t.numel() * t.element_size()
+            row[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    flat = torch.empty(ctx.world_size * size, dtype=torch.uint8, device=device)
     with named_collective(ctx, fn):
-        _all_gather_single(everyone, mine, group=group)
-    if bool((everyone == everyone[0]).all()):
-        return
-    descriptions: list[Any] = [None] * ctx.world_size
-    with named_collective(ctx, fn):
-        dist.all_gather_object(descriptions, description, group=group)
-    listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
-    raise ValueError(
-        f"{fn}: the ranks passed different inputs ({listing}); every rank must pass the same "
-        f"structure, dtypes and shapes. {hint}"
-    )
+        _all_gather_single(flat, row, group=group)
+    rows = flat.view(ctx.world_size, size)
+    hashes = rows[:, :8].view(torch.int64).flatten().tolist()
+    if hashes.count(hashes[0]) != len(hashes):
+        descriptions: list[Any] = [None] * ctx.world_size
+        with named_collective(ctx, fn):
+            dist.all_gather_object(descriptions, description, group=group)
+        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+        raise ValueError(
+            f"{fn}: the ranks passed different inputs ({listing}); every rank must pass the "
+            f"same structure, dtypes and shapes. {hint}"
+        )
+    return (rows if inline else None), offsets
+
+
+def _stacked(
+    rows: torch.Tensor, offset: int, t: torch.Tensor, shape: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Every rank's copy of leaf `t` from the exchanged rows, as [world_size, *t.shape].
+
+    (Or in `shape`, for gather's concatenation.) A new tensor, on `t`'s device.
+    """
+    nbytes = t.numel() * t.element_size()
+    part = rows[:, offset : offset + nbytes].contiguous().view(t.dtype)
+    part = part.view(*shape) if shape is not None else part.view(rows.shape[0], *t.shape)
+    return part if part.device == t.device else part.to(t.device)
 
 
 def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
@@ -143,11 +204,17 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
         return tree
     group = require_group(ctx, "gather")
     leaves, treedef = tensor_leaves("gather", tree)
-    _check_agreement(
-        ctx, "gather", _describe(leaves, treedef, None),
+    rows, offsets = _exchange(
+        ctx, "gather", _describe(leaves, treedef, None), leaves,
         "To gather tensors whose dim 0 differs, call pad_across_processes(ctx, tree) first.",
         group,
     )  # fmt: skip
+    if rows is not None:
+        out = [
+            _stacked(rows, offset, t, (-1, *t.shape[1:]))
+            for t, offset in zip(leaves, offsets, strict=True)
+        ]
+        return unflatten(treedef, out)
     out = []
     with named_collective(ctx, "gather"):
         for t in leaves:
@@ -183,7 +250,10 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "reduce")
-    _check_agreement(ctx, "reduce", _describe(leaves, treedef, None), "", group)
+    rows, offsets = _exchange(ctx, "reduce", _describe(leaves, treedef, None), leaves, "", group)
+    if rows is not None:  # reduce the gathered copies locally, in rank order on every rank
+        stacks = [_stacked(rows, offset, t) for t, offset in zip(leaves, offsets, strict=True)]
+        return unflatten(treedef, [_reduce_local(x, op).to(x.dtype) for x in stacks])
     out = []
     with named_collective(ctx, "reduce"):
         for t in leaves:
@@ -208,7 +278,13 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
         return tree
     group = require_group(ctx, "broadcast")
     leaves, treedef = tensor_leaves("broadcast", tree)
-    _check_agreement(ctx, "broadcast", _describe(leaves, treedef, None), "", group)
+    rows, offsets = _exchange(ctx, "broadcast", _describe(leaves, treedef, None), leaves, "", group)
+    if rows is not None:
+        out = [
+            _stacked(rows[src : src + 1], offset, t)[0]
+            for t, offset in zip(leaves, offsets, strict=True)
+        ]
+        return unflatten(treedef, out)
     out = []
     with named_collective(ctx, "broadcast"):
         for t in leaves:
@@ -243,19 +319,32 @@ def pad_across_processes(
                 f"pad_across_processes: dim={dim} is out of range for a tensor of shape "
                 f"{list(t.shape)}; pass a dim in [{-t.dim()}, {t.dim()})."
             )
-    _check_agreement(
-        ctx, "pad_across_processes", _describe(leaves, treedef, dim),
+    sizes = torch.tensor([t.shape[dim] for t in leaves], dtype=torch.int64)
+    rows, offsets = _exchange(
+        ctx, "pad_across_processes", _describe(leaves, treedef, dim), [sizes],
         "Only the size along `dim` may differ.", group,
     )  # fmt: skip
-    sizes = torch.tensor([t.shape[dim] for t in leaves], device=comm_device(ctx))
-    everyone = sizes.new_empty((ctx.world_size * len(leaves),))
-    with named_collective(ctx, "pad_across_processes"):
-        _all_gather_single(everyone, sizes, group=group)
-    largest = everyone.view(ctx.world_size, len(leaves)).amax(dim=0).tolist()
+    if rows is not None:
+        everyone = _stacked(rows, offsets[0], sizes)
+    else:  # too many leaves to ride along with the hash
+        everyone = sizes.to(comm_device(ctx)).new_empty((ctx.world_size * len(leaves),))
+        with named_collective(ctx, "pad_across_processes"):
+            _all_gather_single(everyone, sizes.to(everyone.device), group=group)
+        everyone = everyone.view(ctx.world_size, len(leaves))
+    largest = everyone.amax(dim=0).tolist()
     return unflatten(
         treedef,
         [_pad(t, dim, n, pad_index, pad_first) for t, n in zip(leaves, largest, strict=True)],
     )
+
+
+def _reduce_local(stack: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    if op == "max":
+        return stack.amax(dim=0)
+    if op == "min":
+        return stack.amin(dim=0)
+    total = stack.sum(dim=0)
+    return total / stack.shape[0] if op == "mean" else total
 
 
 def _pad(t: torch.Tensor, dim: int, size: int, value: int | float, first: bool) -> torch.Tensor:

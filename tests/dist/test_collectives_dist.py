@@ -68,6 +68,14 @@ def _collectives(ctx: RunContext) -> dict[str, Any]:
     out["gather_big_ok"] = bool(
         torch.equal(gb[0], torch.cat([torch.arange(5000.0) + 10_000 * k for k in range(n)]))
     ) and gb[1].tolist() == list(range(n))
+    bigs = reduce(ctx, big, op="sum"), reduce(ctx, big, op="max"), broadcast(ctx, big, src=n - 1)
+    out["big_reduce_broadcast"] = [float(b[-1]) for b in bigs]
+    half = gather(ctx, torch.tensor([r + 0.5], dtype=torch.bfloat16))
+    out["gather_bf16"] = (str(half.dtype), half.tolist())
+    small_int = reduce(ctx, torch.tensor([r], dtype=torch.int32), op="sum")
+    out["reduce_int32"] = (str(small_int.dtype), small_int.tolist())
+    many = pad_across_processes(ctx, [torch.arange(r + 1)] * 2100)  # sizes too many to inline
+    out["pad_many"] = (len(many), many[0].tolist(), many[-1].tolist())
     out["gather_object"] = gather_object(ctx, {"rank": r, "name": f"r{r}"})
     for op in ("sum", "mean", "max", "min"):
         out[f"reduce_{op}"] = reduce(ctx, x, op=op).tolist()
@@ -130,6 +138,24 @@ def test_gather_keeps_the_tree_and_dtypes(world: Any) -> None:
         "pair_a_dtype": "torch.float64",
         "pair_b": 0 if n == 1 else list(range(n)),
     }
+
+
+def test_dtypes_and_the_two_round_paths(world: Any) -> None:
+    n, results = world
+    last = 4999.0
+    assert _same_everywhere(results, "big_reduce_broadcast") == [
+        sum(last + 10_000 * k for k in range(n)),
+        last + 10_000 * (n - 1),
+        last + 10_000 * (n - 1),
+    ]
+    assert _same_everywhere(results, "gather_bf16") == (
+        "torch.bfloat16",
+        [k + 0.5 for k in range(n)],
+    )
+    assert _same_everywhere(results, "reduce_int32") == ("torch.int32", [n * (n - 1) // 2])
+    for r, res in enumerate(results):
+        padded = list(range(r + 1)) + [0] * (n - r - 1)
+        assert res["pad_many"] == (2100, padded, padded)
 
 
 def test_gather_object(world: Any) -> None:
