@@ -1,6 +1,6 @@
 """How long `import accel` takes on top of `import torch`, in fresh processes.
 
-    python benchmarks/import_time.py [--runs 21]
+    python benchmarks/import_time.py [--runs 21] [--quick]
 
 Each run is a new interpreter that times `import torch`, then `import accel`; the table gives
 medians. Target: accel adds at most 50 ms.
@@ -23,7 +23,9 @@ PROBE = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=21)
-    runs = parser.parse_args().runs
+    parser.add_argument("--quick", action="store_true", help="5 runs instead of --runs")
+    opts = parser.parse_args()
+    runs = 5 if opts.quick else opts.runs
     samples = [
         json.loads(subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                                   check=True).stdout)
