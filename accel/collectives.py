@@ -155,7 +155,7 @@ def _exchange(
     if inline:
         for t, offset in zip(leaves, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
-            row[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            row[offset : offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
     flat = torch.empty(ctx.world_size * size, dtype=torch.uint8, device=device)
     with named_collective(ctx, fn):
         _all_gather_single(flat, row, group=group)

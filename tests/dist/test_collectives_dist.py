@@ -46,6 +46,7 @@ def _collectives(ctx: RunContext) -> dict[str, Any]:
     x = _mine(r)
     out: dict[str, Any] = {}
     out["gather"] = gather(ctx, x).tolist()
+    out["gather_grad"] = gather(ctx, x * torch.ones(2, requires_grad=True)).tolist()
     out["gather_0d"] = gather(ctx, torch.tensor(r)).tolist()
     tree = {
         "x": x,
@@ -122,6 +123,7 @@ def test_gather_concatenates_in_rank_order(world: Any) -> None:
     n, results = world
     assert _same_everywhere(results, "gather") == [float(v) for v in range(1, 2 * n + 1)]
     # A 0-dim tensor becomes one value per rank; one process returns its input as it is.
+    assert _same_everywhere(results, "gather_grad") == [float(v) for v in range(1, 2 * n + 1)]
     assert _same_everywhere(results, "gather_0d") == (0 if n == 1 else list(range(n)))
     assert _same_everywhere(results, "gather_big_ok") is True
 
