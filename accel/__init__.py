@@ -1,5 +1,10 @@
 """accel: distributed PyTorch training as small functions over an explicit `RunContext`."""
 
+from accel.accumulate import (
+    accumulate,
+    num_items_in_batch,
+    should_sync,
+)
 from accel.batch_size import find_executable_batch_size
 from accel.collectives import (
     broadcast,
@@ -22,15 +27,37 @@ from accel.distributed import (
     wait_for_everyone,
 )
 from accel.logging import RankLogger, get_logger
+from accel.model import (
+    DDPOptions,
+    FSDPOptions,
+    check_optimizer,
+    unwrap_model,
+    wrap_model,
+)
+from accel.precision import (
+    autocast,
+    clip_grad_norm_,
+    clip_grad_value_,
+    make_scaler,
+    optimizer_step,
+    scaled_backward,
+)
 from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 __all__ = [
     "Config",
+    "DDPOptions",
+    "FSDPOptions",
     "RankLogger",
     "RunContext",
+    "accumulate",
     "any_rank",
+    "autocast",
     "broadcast",
     "broadcast_object",
+    "check_optimizer",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "default_config_path",
     "find_executable_batch_size",
     "gather",
@@ -40,13 +67,20 @@ __all__ = [
     "init_distributed",
     "load_config",
     "main_process_first",
+    "make_scaler",
+    "num_items_in_batch",
     "on_main_process",
+    "optimizer_step",
     "pad_across_processes",
     "reduce",
     "run_on_main",
+    "scaled_backward",
     "set_rng_state",
     "set_seed",
+    "should_sync",
     "shutdown",
     "split_between_processes",
+    "unwrap_model",
     "wait_for_everyone",
+    "wrap_model",
 ]

@@ -1,0 +1,69 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) application for `wrap_model`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from accel.context import RunContext
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from accel.model import FSDPOptions
+
+
+def _mesh(ctx: RunContext) -> DeviceMesh:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from accel.collectives import require_group
+
+    group = require_group(ctx, "wrap_model")
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return DeviceMesh.from_group(group, ctx.device.type)
+
+
+def apply_fsdp2(
+    ctx: RunContext, model: nn.Module, options: FSDPOptions, *, replaced_marker: str
+) -> nn.Module:
+    """Shard each `options.layer_classes` module, then the root, on ctx's devices."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if ctx.precision == "fp16":
+        raise NotImplementedError(
+            "wrap_model: strategy='fsdp2' with precision='fp16' is not supported: "
+            "torch.amp.GradScaler cannot check DTensor gradients for inf across shards. "
+            "Use precision='bf16' (no scaler needed) or strategy='ddp'."
+        )
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if ctx.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    originals = list(model.parameters())
+    model.to(ctx.device)
+    mesh = _mesh(ctx)
+    layers = [m for m in model.modules() if m is not model and isinstance(m, options.layer_classes)]
+    for layer in layers:
+        fully_shard(
+            layer,
+            mesh=mesh,
+            reshard_after_forward=options.reshard_after_forward,
+            mp_policy=policy,
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        mp_policy=policy,
+    )
+    current = {id(p) for p in model.parameters()}
+    for p in originals:
+        if id(p) not in current:
+            setattr(p, replaced_marker, True)
+    return model

@@ -1,0 +1,186 @@
+"""Wrap a model for the run: device placement, then DDP or FSDP2, then optional torch.compile.
+
+`wrap_model(ctx, model, strategy=...)` picks one strategy and returns the model to train;
+`unwrap_model(model)` gives back the module the user built, for saving or inspection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from accel.context import RunContext
+
+__all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
+
+Strategy = Literal["auto", "none", "ddp", "fsdp2"]
+
+# Attribute set on parameters that FSDP2 replaced by sharded ones: an optimizer still holding
+# them would update tensors the model no longer uses.
+_REPLACED = "_accel_replaced_by_fsdp2"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DDPOptions:
+    """Options passed to `torch.nn.parallel.DistributedDataParallel` (same names and meaning)."""
+
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPOptions:
+    """How `fully_shard` is applied.
+
+    `layer_classes`: every submodule of these classes becomes its own FSDP2 unit (the usual
+    per-transformer-block policy), sharded before the root. `reshard_after_forward`: free the
+    gathered parameters after forward (less memory, one more all-gather in backward).
+    """
+
+    layer_classes: tuple[type[nn.Module], ...] = ()
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [
+            c for c in self.layer_classes if not (isinstance(c, type) and issubclass(c, nn.Module))
+        ]
+        if bad:
+            raise ValueError(
+                f"FSDPOptions: layer_classes contains {bad!r}; pass nn.Module subclasses, e.g. "
+                "layer_classes=(TransformerBlock,)."
+            )
+
+
+def _is_wrapped(model: nn.Module) -> str | None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(model, FSDPModule):
+        return "FSDP2 (fully_shard)"
+    if hasattr(model, "_orig_mod"):
+        return "torch.compile"
+    return None
+
+
+def wrap_model(
+    ctx: RunContext,
+    model: nn.Module,
+    *,
+    strategy: Strategy = "auto",
+    compile: bool = False,
+    ddp: DDPOptions | None = None,
+    fsdp: FSDPOptions | None = None,
+) -> nn.Module:
+    """Move `model` to `ctx.device` and wrap it for data-parallel training; use the return value.
+
+    strategy: "none" (device placement only), "ddp" (DistributedDataParallel over
+    `ctx.process_group`), "fsdp2" (`torch.distributed.fsdp.fully_shard` per `fsdp.layer_classes`
+    module, then the root, with a bf16 mixed-precision policy when `ctx.precision == "bf16"`), or
+    "auto" (ddp when `ctx.world_size > 1`, else none). `compile=True` applies `torch.compile`
+    last. Create the optimizer from the returned model's parameters: FSDP2 replaces them.
+
+    `unwrap_model` returns the module you passed. DDP and compile keep it untouched inside;
+    FSDP2 shards it in place (its class and parameters change), which is how FSDP2 works.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> m = wrap_model(RunContext.single(), nn.Linear(2, 2))
+    >>> unwrap_model(m).weight.device.type
+    'cpu'
+    """
+    if strategy not in get_args(Strategy):
+        raise ValueError(
+            f"wrap_model: strategy={strategy!r} is not one of {get_args(Strategy)}; "
+            "use 'auto' to pick DDP when there are several processes."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model: model={type(model).__name__} is not a torch.nn.Module.")
+    wrapped_by = _is_wrapped(model)
+    if wrapped_by is not None:
+        raise ValueError(
+            f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
+            "once (accel.unwrap_model(model) returns it)."
+        )
+    if ddp is not None and strategy not in ("ddp", "auto"):
+        raise ValueError(f"wrap_model: ddp options were given but strategy={strategy!r}.")
+    if fsdp is not None and strategy != "fsdp2":
+        raise ValueError(f"wrap_model: fsdp options were given but strategy={strategy!r}.")
+    if strategy == "auto":
+        strategy = "ddp" if ctx.world_size > 1 else "none"
+
+    if strategy == "fsdp2":
+        from accel._fsdp import apply_fsdp2
+
+        wrapped = apply_fsdp2(ctx, model, fsdp or FSDPOptions(), replaced_marker=_REPLACED)
+    else:
+        model.to(ctx.device)
+        wrapped = _apply_ddp(ctx, model, ddp or DDPOptions()) if strategy == "ddp" else model
+    if compile:
+        wrapped = torch.compile(wrapped)  # type: ignore[assignment]
+    return wrapped
+
+
+def _apply_ddp(ctx: RunContext, model: nn.Module, options: DDPOptions) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from accel.collectives import require_group
+
+    group = require_group(ctx, "wrap_model")
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # Pass only what differs from DDP's defaults, so a renamed option warns only when used.
+    defaults = DDPOptions()
+    kwargs: dict[str, Any] = {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) != getattr(defaults, f.name)
+    }
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **kwargs)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the module the user built, from inside DDP and `torch.compile` wrappers.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> inner = nn.Linear(2, 2)
+    >>> unwrap_model(wrap_model(RunContext.single(), inner)) is inner
+    True
+    """
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if inner is None and type(model).__name__ == "DistributedDataParallel":
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if `optimizer` holds parameters that FSDP2 wrapping replaced.
+
+    `optimizer_step` and `clip_grad_norm_` call this; call it yourself when you step by hand.
+
+    Example:
+
+    >>> check_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, _REPLACED, False):
+                raise ValueError(
+                    "The optimizer was created before wrap_model(..., strategy='fsdp2') and "
+                    "holds the parameters FSDP2 replaced, so it would train nothing. Create it "
+                    "after wrapping: model = accel.wrap_model(ctx, model, strategy='fsdp2'); "
+                    "optimizer = torch.optim.AdamW(model.parameters(), ...)."
+                )

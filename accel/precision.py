@@ -1,0 +1,204 @@
+"""Mixed precision and the optimizer step: autocast, loss scaling, skipped steps, clipping.
+
+Choose once from `ctx.precision`, then use a value: `autocast(ctx)` is a no-op context in fp32,
+`make_scaler(ctx)` is None unless fp16. `scaled_backward` is the one place the loss is divided by
+`ctx.grad_accum_steps`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from accel.context import RunContext
+from accel.model import check_optimizer
+
+if TYPE_CHECKING:
+    from torch.amp import GradScaler
+
+__all__ = [
+    "autocast",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "make_scaler",
+    "optimizer_step",
+    "scaled_backward",
+]
+
+_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
+
+
+def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to `ctx.precision` on `ctx.device`; a no-op context in fp32.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> with autocast(RunContext.single(precision="bf16")):
+    ...     y = nn.Linear(2, 2)(torch.ones(1, 2))
+    >>> y.dtype
+    torch.bfloat16
+    """
+    dtype = _DTYPES.get(ctx.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.device.type, dtype=dtype)
+
+
+def make_scaler(ctx: RunContext) -> GradScaler | None:
+    """A `torch.amp.GradScaler` for fp16 (CUDA or CPU), None for fp32 and bf16.
+
+    The scaler is training state: you hold it, and `save_state` checkpoints it.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> make_scaler(RunContext.single()) is None
+    True
+    >>> type(make_scaler(RunContext.single(precision="fp16"))).__name__
+    'GradScaler'
+    """
+    if ctx.precision != "fp16":
+        return None
+    from torch.amp import GradScaler
+
+    return GradScaler(ctx.device.type)
+
+
+def scaled_backward(
+    ctx: RunContext, loss: torch.Tensor, *, scaler: GradScaler | None = None
+) -> None:
+    """`loss.backward()` with the loss divided by `ctx.grad_accum_steps` and scaled for fp16.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> scaled_backward(RunContext.single(grad_accum_steps=2), (w * 3).sum())
+    >>> w.grad
+    tensor([1.5000, 1.5000])
+    """
+    if ctx.grad_accum_steps != 1:
+        loss = loss / ctx.grad_accum_steps
+    if scaler is not None:
+        loss = scaler.scale(loss)
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _unscale_once(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    try:
+        scaler.unscale_(optimizer)
+    except RuntimeError as err:
+        # GradScaler refuses a second unscale_ before update(); the gradients are unscaled.
+        if "unscale_() has already been called" not in str(err):
+            raise
+
+
+def optimizer_step(
+    ctx: RunContext, optimizer: torch.optim.Optimizer, *, scaler: GradScaler | None = None
+) -> bool:
+    """Step `optimizer` (through `scaler` in fp16) and return whether it stepped.
+
+    With a scaler, a step whose gradients hold inf or nan is skipped: parameters and optimizer
+    state stay as they were, the scale is lowered, and this returns False. Call `zero_grad()`
+    and `scheduler.step()` yourself as usual.
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> w = torch.nn.Parameter(torch.ones(1))
+    >>> opt = torch.optim.SGD([w], lr=0.5)
+    >>> (2 * w).sum().backward()
+    >>> optimizer_step(RunContext.single(), opt), w.item()
+    (True, 0.0)
+    """
+    check_optimizer(optimizer)
+    if scaler is None:
+        optimizer.step()
+        return True
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    # update() multiplies the scale by backoff_factor (< 1) exactly when inf/nan was found.
+    return not scaler.get_scale() < before
+
+
+def _grads_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    return [p for p in params if p.grad is not None]
+
+
+def clip_grad_norm_(
+    ctx: RunContext,
+    model: nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: GradScaler | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of `model` to a global norm of `max_norm`; return the norm before.
+
+    In fp16 pass `optimizer` and `scaler`: gradients are unscaled first, once per step (the
+    following `optimizer_step` does not unscale again). Under DDP gradients are already
+    averaged; under FSDP2 the norm is computed over all shards, so every rank gets the global
+    norm. Call it on sync steps only (inside `accumulate`, when `sync` is True).
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grad_norm_(RunContext.single(), [w], 1.0).item(), w.grad.norm().item() < 1.0
+    (5.0, True)
+    """
+    if scaler is not None:
+        if optimizer is None:
+            raise ValueError(
+                "clip_grad_norm_: a scaler was given without optimizer=; pass the optimizer so "
+                "its gradients are unscaled before clipping."
+            )
+        check_optimizer(optimizer)
+        _unscale_once(scaler, optimizer)
+    grads = _grads_of(model)
+    if not grads:
+        return torch.zeros((), device=ctx.device)
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+    full = getattr(norm, "full_tensor", None)  # DTensor norm under FSDP2
+    return full() if callable(full) else norm
+
+
+def clip_grad_value_(
+    ctx: RunContext,
+    model: nn.Module | Iterable[torch.Tensor],
+    clip_value: float,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: GradScaler | None = None,
+) -> None:
+    """Clamp every gradient of `model` to [-clip_value, clip_value] (unscaled first in fp16).
+
+    Example:
+
+    >>> from accel import RunContext
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> w.grad = torch.tensor([3.0, -0.5])
+    >>> clip_grad_value_(RunContext.single(), [w], 1.0)
+    >>> w.grad
+    tensor([ 1.0000, -0.5000])
+    """
+    if scaler is not None:
+        if optimizer is None:
+            raise ValueError(
+                "clip_grad_value_: a scaler was given without optimizer=; pass the optimizer so "
+                "its gradients are unscaled before clipping."
+            )
+        check_optimizer(optimizer)
+        _unscale_once(scaler, optimizer)
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    torch.nn.utils.clip_grad_value_(list(params), clip_value)
