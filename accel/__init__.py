@@ -16,6 +16,13 @@ from accel.collectives import (
 )
 from accel.config import Config, default_config_path, load_config
 from accel.context import RunContext
+from accel.data import (
+    ShardBatch,
+    ShardedLoader,
+    ShardPlan,
+    gather_for_metrics,
+    shard_loader,
+)
 from accel.distributed import (
     any_rank,
     init_distributed,
@@ -50,6 +57,9 @@ __all__ = [
     "FSDPOptions",
     "RankLogger",
     "RunContext",
+    "ShardBatch",
+    "ShardPlan",
+    "ShardedLoader",
     "accumulate",
     "any_rank",
     "autocast",
@@ -61,6 +71,7 @@ __all__ = [
     "default_config_path",
     "find_executable_batch_size",
     "gather",
+    "gather_for_metrics",
     "gather_object",
     "get_logger",
     "get_rng_state",
@@ -77,6 +88,7 @@ __all__ = [
     "scaled_backward",
     "set_rng_state",
     "set_seed",
+    "shard_loader",
     "should_sync",
     "shutdown",
     "split_between_processes",

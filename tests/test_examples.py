@@ -1,4 +1,4 @@
-"""Every example runs for a few steps under `accel launch` at 2 CPU processes, as its docstring says."""
+"""Every example runs a few steps under `accel launch` at 2 CPU processes, as its docstring says."""
 
 from __future__ import annotations
 
