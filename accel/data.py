@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -353,7 +352,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "with fewer batches than ranks); they cannot join the collective. Use "
             "even_batches=True, or gather after the loop with accel.gather_object."
         )
-    from accel.collectives import require_group
+    from accel.collectives import _all_gather_single, require_group
 
     group = require_group(ctx, "gather_for_metrics")
     longest = max(size for size, _ in layout)
@@ -364,7 +363,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             fill = leaf.new_zeros((longest - leaf.shape[0], *leaf.shape[1:]))
             padded = torch.cat([leaf, fill])
         gathered = padded.new_empty((ctx.world_size * longest, *leaf.shape[1:]))
-        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        _all_gather_single(gathered, padded.contiguous(), group=group)
         parts = [
             gathered[r * longest : r * longest + size - pad] for r, (size, pad) in enumerate(layout)
         ]
