@@ -364,5 +364,11 @@ def test_help_lists_every_subcommand_and_bad_tee_is_refused(tmp_path: Path) -> N
     for flag in ("--num_processes", "--num-processes", "--max_restarts", "--monitor_interval",
                  "--num_cpu_threads_per_process", "--log_dir", "--tee", "--module"):  # fmt: skip
         assert flag in launch_help
+    # The installed `accel` command is the same entry point as `python -m accel`.
+    script = subprocess.run(
+        [str(Path(sys.executable).parent / "accel"), "--help"], env=_env(tmp_path),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert script.returncode == 0 and script.stdout == top.stdout
     bad = accel_cli(tmp_path, "launch", "--tee", "7", "x.py")
     assert bad.returncode == 2 and "--tee" in bad.stderr and "invalid choice" in bad.stderr
