@@ -50,16 +50,27 @@ from accel.precision import (
     scaled_backward,
 )
 from accel.seeding import get_rng_state, set_rng_state, set_seed
+from accel.tracking import (
+    JSONLTracker,
+    TensorBoardTracker,
+    Tracker,
+    log_hparams,
+    log_metrics,
+    progress,
+)
 
 __all__ = [
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "JSONLTracker",
     "RankLogger",
     "RunContext",
     "ShardBatch",
     "ShardPlan",
     "ShardedLoader",
+    "TensorBoardTracker",
+    "Tracker",
     "accumulate",
     "any_rank",
     "autocast",
@@ -77,12 +88,15 @@ __all__ = [
     "get_rng_state",
     "init_distributed",
     "load_config",
+    "log_hparams",
+    "log_metrics",
     "main_process_first",
     "make_scaler",
     "num_items_in_batch",
     "on_main_process",
     "optimizer_step",
     "pad_across_processes",
+    "progress",
     "reduce",
     "run_on_main",
     "scaled_backward",
