@@ -439,6 +439,8 @@ def _load(
         if canonical in done:
             continue
         tensor = layout.tensors[canonical]  # not in the checkpoint: a real non-persistent tensor
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         if device in dm.OFFLOAD and (device == "disk" or execution.type != "cpu"):
             sources[canonical] = tensor
         else:
