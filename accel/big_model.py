@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -223,6 +224,12 @@ def dispatch_checkpoint(
     elif not isinstance(device_map, Mapping):
         raise TypeError(
             f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
+        )
+    elif max_memory is not None or no_split:
+        warnings.warn(
+            f"{fn}: max_memory and no_split only shape device_map='auto'; they are ignored with "
+            "the device_map you passed.",
+            stacklevel=2,
         )
     placement = layout.place(fn, device_map)
     execution = _execution_device(device_map)
