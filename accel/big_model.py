@@ -590,6 +590,11 @@ def _available_memory() -> dict[Device, int]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             budgets[i] = int(torch.cuda.mem_get_info(i)[0] * 0.9)
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:  # MemAvailable counts reclaimable page cache; the sysconf fallback counts free pages
+        with open("/proc/meminfo") as f:
+            lines = dict(line.split(":", 1) for line in f)
+        available = int(lines["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budgets["cpu"] = int(available * 0.9)
     return budgets

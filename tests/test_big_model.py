@@ -318,6 +318,21 @@ def test_cpu_and_disk_offload_of_a_model_in_memory(tmp_path: Path) -> None:
     assert disk.head.weight is disk.embed.weight
 
 
+def test_offloaded_weights_are_on_the_execution_device_only_during_the_forward() -> None:
+    # "meta" stands in for an accelerator: the hooks move weights and inputs there and back.
+    model = accel.cpu_offload(nn.Sequential(nn.Linear(3, 2), nn.ReLU()), execution_device="meta")
+    seen: list[str] = []
+    model[0].register_forward_pre_hook(lambda m, _: seen.append(m.weight.device.type))
+    out = model(torch.ones(4, 3))
+    assert (out.device.type, out.shape, seen) == ("meta", torch.Size([4, 2]), ["meta"])
+    assert model[0].weight.device.type == "cpu"
+
+
+def test_default_budgets_come_from_this_machine() -> None:
+    plan = accel.infer_device_map(linears(3))
+    assert plan == {"": 0 if torch.cuda.is_available() else "cpu"}
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 
