@@ -6,8 +6,11 @@ plan works with any `max_memory` dict, whether or not those devices exist on thi
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -175,3 +178,57 @@ def _too_small(unit: Unit, max_memory: Mapping[Device, int], reserve: int) -> Va
         f" needs {unit.size} bytes and no device has that much left{extra}. Raise the budgets, "
         'add "disk" to max_memory (with an offload_dir), or load with a smaller dtype.'
     )
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+UNITS = tuple(_UNITS.items())
+del _UNITS
+
+
+def budgets(fn: str, max_memory: Mapping[Device, int | str] | None) -> dict[Device, int]:
+    """Validate budgets (ints or strings like "10GiB"); default: what this machine has free."""
+    if max_memory is None:
+        return _available_memory()
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise ValueError(
+            f"{fn}: max_memory={max_memory!r} must be a non-empty dict of device -> bytes, "
+            'e.g. {0: "10GiB", "cpu": "30GiB", "disk": "1TB"}.'
+        )
+    budgets: dict[Device, int] = {}
+    for device, budget in max_memory.items():
+        if not (isinstance(device, int) and device >= 0) and device not in OFFLOAD:
+            raise ValueError(
+                f"{fn}: max_memory key {device!r} is not a device; use accelerator indices "
+                '(0, 1, ...), "cpu" or "disk".'
+            )
+        budgets[device] = _bytes(fn, device, budget)
+    return budgets
+
+
+def _bytes(fn: str, device: Device, budget: Any) -> int:
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
+        return budget
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(budget))
+    units = dict(UNITS)
+    if isinstance(budget, str) and match and match.group(2).upper() in units:
+        return int(float(match.group(1)) * units[match.group(2).upper()])
+    raise ValueError(
+        f"{fn}: max_memory[{device!r}]={budget!r} is not a size; use bytes (an int >= 0) or a "
+        'string such as "500MB" or "10GiB".'
+    )
+
+
+def _available_memory() -> dict[Device, int]:
+    budgets: dict[Device, int] = {}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            budgets[i] = int(torch.cuda.mem_get_info(i)[0] * 0.9)
+    try:  # MemAvailable counts reclaimable page cache; the sysconf fallback counts free pages
+        with open("/proc/meminfo") as f:
+            lines = dict(line.split(":", 1) for line in f)
+        available = int(lines["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    budgets["cpu"] = int(available * 0.9)
+    return budgets
