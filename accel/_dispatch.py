@@ -263,6 +263,14 @@ def _slots(
 
 def execution_device(device_map: Mapping[str, Device]) -> torch.device:
     accelerators = [d for d in device_map.values() if isinstance(d, int)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = sorted({d for d in accelerators if d >= count})
+    if missing:
+        raise ValueError(
+            f"dispatch_checkpoint: the device map puts modules on accelerators {missing} but "
+            f"this machine has {count} CUDA device(s). Plan with the budgets of this machine "
+            '(max_memory=None), or map those modules to "cpu" or "disk".'
+        )
     return _torch_device(min(accelerators)) if accelerators else torch.device("cpu")
 
 
