@@ -28,12 +28,13 @@ class Layout:
     """Where each tensor of a model is held: every name, its owner, tied aliases."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         self.tensors: dict[str, torch.Tensor] = {}
         self.owner: dict[str, tuple[nn.Module, str, bool]] = {}
         self.canonical: dict[str, str] = {}
         self.persistent: set[str] = set()
+        self.groups: dict[str, list[str]] = {}  # canonical name -> every name of that tensor
         first: dict[int, str] = {}
+        self.modules = list(model.named_modules())
         for prefix, module in model.named_modules(remove_duplicate=False):
             dot = f"{prefix}." if prefix else ""
             items = [(n, t, True) for n, t in module._parameters.items()]
@@ -45,14 +46,15 @@ class Layout:
                 self.tensors[name] = t
                 self.owner[name] = (module, attr, is_param)
                 self.canonical[name] = first.setdefault(id(t), name)
+                self.groups.setdefault(self.canonical[name], []).append(name)
                 if is_param or attr not in module._non_persistent_buffers_set:
                     self.persistent.add(name)
 
     def canonical_names(self) -> list[str]:
-        return [n for n, c in self.canonical.items() if n == c]
+        return list(self.groups)
 
     def aliases(self, canonical: str) -> list[str]:
-        return [n for n, c in self.canonical.items() if c == canonical]
+        return self.groups[canonical]
 
     def place(self, fn: str, device_map: Mapping[str, Device]) -> dict[str, Device]:
         """Device of every canonical tensor under `device_map` (longest matching prefix)."""
@@ -62,6 +64,13 @@ class Layout:
                     f"{fn}: device_map[{key!r}]={device!r}; devices are accelerator indices "
                     '(0, 1, ...), "cpu" or "disk".'
                 )
+        modules = {name for name, _ in self.modules}
+        unknown = [k for k in device_map if k not in modules and k not in self.tensors]
+        if unknown:
+            raise ValueError(
+                f"{fn}: device_map names {unknown}, which are neither modules nor tensors of the "
+                "model. Use names from model.named_modules() or model.named_parameters()."
+            )
         placement: dict[str, Device] = {}
         for name in self.tensors:
             try:
@@ -184,7 +193,7 @@ def load(
 
 def _put(layout: Layout, canonical: str, tensor: torch.Tensor) -> None:
     """Set `tensor` under every name of the tied group `canonical` (one shared Parameter)."""
-    module, attr, is_param = layout.owner[canonical]
+    is_param = layout.owner[canonical][2]
     old = layout.tensors[canonical]
     value = nn.Parameter(tensor, old.requires_grad) if is_param else tensor
     for name in layout.aliases(canonical):

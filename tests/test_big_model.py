@@ -398,6 +398,7 @@ def test_a_dtype_change_to_disk_needs_an_offload_dir(saved: tuple[TinyLM, Path])
         ({"embed": "cpu", "pos": "cpu"}, "no entry for 'blocks.0.shift'"),
         ({"": "cpu", "head": "disk"}, "'head.weight' is tied to 'embed.weight'"),
         ({"": "gpu"}, r"device_map\[''\]='gpu'"),
+        ({"": "cpu", "blocks.9": "disk"}, r"names \['blocks.9'\], which are neither"),
         (
             {"": torch.cuda.device_count()},
             rf"accelerators \[{torch.cuda.device_count()}\] but this machine has",
