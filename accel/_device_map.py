@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -137,11 +138,11 @@ def _greedy(
     placed: dict[str, Device] = {}
     tied_home: dict[int, Device] = {}
     left = {d: max_memory[d] - (reserve if i == 0 else 0) for i, d in enumerate(devices)}
-    queue = [root]
+    queue = deque([root])
     index = 0
     largest = 0
     while queue:
-        unit = queue.pop(0)
+        unit = queue.popleft()
         home = [tied_home[t] for t in unit.tied if t in tied_home]
         if home and (unit.size == 0 or not unit.children):
             device = home[0]
@@ -153,7 +154,7 @@ def _greedy(
                 )
         elif home or unit.size > left[devices[index]]:
             if unit.children:
-                queue = list(unit.children) + queue
+                queue.extendleft(reversed(unit.children))
                 continue
             while unit.size > left[devices[index]]:
                 index += 1
