@@ -21,7 +21,16 @@ from accel._offload import (
     write_index,
     write_tensor,
 )
-from accel.hooks import Slot, attach, attach_input_move
+from accel.hooks import ATTR, Slot, attach, attach_input_move
+
+
+def check_unhooked(fn: str, model: nn.Module) -> None:
+    """Refuse a model that already carries offload hooks (they would stack)."""
+    if any(hasattr(m, ATTR) for m in model.modules()):
+        raise RuntimeError(
+            f"{fn}: the model already has accel offload hooks (from dispatch_checkpoint, "
+            "cpu_offload or disk_offload). Call accel.remove_hooks(model) first."
+        )
 
 
 class Layout:

@@ -183,6 +183,7 @@ def dispatch_checkpoint(
         ValueError: missing/unexpected keys, a shape mismatch, a device map that misses a
             tensor or splits tied weights, an unwritable `offload_dir`, budgets too small.
         FileNotFoundError: the checkpoint or a shard does not exist.
+        RuntimeError: the model already has offload hooks (call `remove_hooks` first).
 
     Example:
         >>> import tempfile, torch, accel
@@ -196,6 +197,7 @@ def dispatch_checkpoint(
         torch.Size([1, 2])
     """
     fn = "dispatch_checkpoint"
+    _dispatch.check_unhooked(fn, model)
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
     entries = _dispatch.checkpoint_entries(fn, checkpoint)
     layout = _dispatch.Layout(model)
@@ -241,6 +243,7 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    _dispatch.check_unhooked("cpu_offload", model)
     device = _dispatch.device_arg(execution_device)
     layout = _dispatch.Layout(model)
     sources: dict[str, torch.Tensor | DiskTensor] = {
@@ -273,6 +276,7 @@ def disk_offload(
         >>> model.weight.device
         device(type='meta')
     """
+    _dispatch.check_unhooked("disk_offload", model)
     folder = check_writable("disk_offload", offload_dir)
     device = _dispatch.device_arg(execution_device)
     layout = _dispatch.Layout(model)

@@ -289,6 +289,25 @@ def test_auto_map_with_disk_and_a_sharded_index(saved: tuple[TinyLM, Path]) -> N
     assert not (folder / "offload" / "index.json").exists()  # read in place, nothing rewritten
 
 
+def test_a_dtype_for_weights_kept_in_memory(saved: tuple[TinyLM, Path]) -> None:
+    reference, folder = saved
+    model = accel.dispatch_checkpoint(
+        empty_lm(), folder, device_map={"": "cpu"}, dtype=torch.bfloat16
+    )
+    assert model.blocks[0].lin1.weight.dtype == torch.bfloat16
+    assert torch.equal(model(IDS), reference.to(torch.bfloat16)(IDS))
+
+
+def test_hooks_do_not_stack(saved: tuple[TinyLM, Path]) -> None:
+    _, folder = saved
+    model = accel.dispatch_checkpoint(empty_lm(), folder, device_map={"": "disk"})
+    with pytest.raises(RuntimeError, match=r"already has accel offload hooks.*remove_hooks"):
+        accel.cpu_offload(model, execution_device="cpu")
+    model = accel.cpu_offload(accel.remove_hooks(model), execution_device="cpu")
+    with pytest.raises(RuntimeError, match="already has accel offload hooks"):
+        accel.dispatch_checkpoint(model, folder, device_map={"": "cpu"})
+
+
 def test_a_dtype_change_on_disk_writes_memmaps_with_an_index(saved: tuple[TinyLM, Path]) -> None:
     reference, folder = saved
     offload = folder / "offload"
