@@ -163,6 +163,8 @@ def dispatch_checkpoint(
     Modules on "cpu" (when an accelerator runs the model) or "disk" get hooks that bring their
     weights to the execution device for their forward. Disk weights are mapped in place from
     the safetensors file when possible, else written to `offload_dir` as numpy memmaps.
+    CPU weights in the file's dtype stay memory-mapped from the shards (as safetensors returns
+    them), so do not overwrite the checkpoint in place while the model is in use.
 
     Args:
         model: a model built under `init_empty_weights` (or a real one, overwritten).
