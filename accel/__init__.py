@@ -6,6 +6,15 @@ from accel.accumulate import (
     should_sync,
 )
 from accel.batch_size import find_executable_batch_size
+from accel.big_model import (
+    compute_module_sizes,
+    cpu_offload,
+    disk_offload,
+    dispatch_checkpoint,
+    infer_device_map,
+    init_empty_weights,
+    init_on_device,
+)
 from accel.collectives import (
     broadcast,
     broadcast_object,
@@ -33,6 +42,7 @@ from accel.distributed import (
     split_between_processes,
     wait_for_everyone,
 )
+from accel.hooks import remove_hooks
 from accel.logging import RankLogger, get_logger
 from accel.model import (
     DDPOptions,
@@ -79,14 +89,21 @@ __all__ = [
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "compute_module_sizes",
+    "cpu_offload",
     "default_config_path",
+    "disk_offload",
+    "dispatch_checkpoint",
     "find_executable_batch_size",
     "gather",
     "gather_for_metrics",
     "gather_object",
     "get_logger",
     "get_rng_state",
+    "infer_device_map",
     "init_distributed",
+    "init_empty_weights",
+    "init_on_device",
     "load_config",
     "log_hparams",
     "log_metrics",
@@ -98,6 +115,7 @@ __all__ = [
     "pad_across_processes",
     "progress",
     "reduce",
+    "remove_hooks",
     "run_on_main",
     "scaled_backward",
     "set_rng_state",
