@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from accel import _device_map as dm
-from accel import _dispatch
 from accel._device_map import Device
 from accel._offload import DiskTensor, check_writable, write_index, write_tensor
 
@@ -198,6 +197,8 @@ def dispatch_checkpoint(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
     fn = "dispatch_checkpoint"
     _dispatch.check_unhooked(fn, model)
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
@@ -245,6 +246,8 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
     _dispatch.check_unhooked("cpu_offload", model)
     device = _dispatch.device_arg(execution_device)
     layout = _dispatch.Layout(model)
@@ -278,6 +281,8 @@ def disk_offload(
         >>> model.weight.device
         device(type='meta')
     """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
     _dispatch.check_unhooked("disk_offload", model)
     folder = check_writable("disk_offload", offload_dir)
     device = _dispatch.device_arg(execution_device)
