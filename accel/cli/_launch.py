@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from accel import config as _config
@@ -34,6 +35,13 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
     ("seed", int, "base seed recorded in every process's RunContext"),
 )
+
+# Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
+# for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
+# previous attempt's workers left there (gloo/nccl peer addresses) and connect to dead peers;
+# this has been seen to hang or fail a restart. With sharing off, rank 0's worker hosts a fresh
+# store every attempt. https://github.com/pytorch/pytorch/issues/135712
+_AGENT_ENVIRONMENT = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def add_parser(commands: Any) -> None:
@@ -94,8 +102,11 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
     if machines == 1 and not port:
         argv.append("--standalone")  # c10d rendezvous on localhost:0, a free port
     elif machines == 1:
+        # c10d rather than static rendezvous on the given port: static keeps one store for the
+        # whole job, which a restarted attempt must not reuse (see _AGENT_ENVIRONMENT).
         _check_port_free(port)
-        argv += ["--master-addr", config.main_process_ip or "127.0.0.1", "--master-port", str(port)]
+        endpoint = f"{config.main_process_ip or '127.0.0.1'}:{port}"
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     else:
         if not config.main_process_ip or not port:
             raise ValueError(
@@ -160,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     argv = torchrun_argv(config, args)
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
-    os.environ.update(worker_environment(config))
+    os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
     try:
         torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:

@@ -248,6 +248,10 @@ def test_torchrun_arguments_for_each_topology() -> None:
     single = _launch.torchrun_argv(Config(num_processes=4), args)
     assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "4"] and "--standalone" in single
     assert single[-3:] == ["--module", "m", "--x"]
+    port = _free_port()
+    fixed = _launch.torchrun_argv(Config(num_processes=2, main_process_port=port), args)
+    # A fixed port on one machine is a c10d rendezvous there (a restart gets a fresh store).
+    assert fixed[8:12] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     static = _launch.torchrun_argv(
         Config(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="h",
                main_process_port=9, max_restarts=2), args)  # fmt: skip
