@@ -6,6 +6,16 @@ from accel.accumulate import (
     should_sync,
 )
 from accel.batch_size import find_executable_batch_size
+from accel.checkpoint import (
+    CheckpointHandle,
+    PerRank,
+    latest_checkpoint,
+    load_checkpoint_in_model,
+    load_state,
+    save_checkpoint,
+    save_model,
+    save_state,
+)
 from accel.collectives import (
     broadcast,
     broadcast_object,
@@ -45,9 +55,11 @@ from accel.precision import (
 from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 __all__ = [
+    "CheckpointHandle",
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "PerRank",
     "RankLogger",
     "RunContext",
     "accumulate",
@@ -65,7 +77,10 @@ __all__ = [
     "get_logger",
     "get_rng_state",
     "init_distributed",
+    "latest_checkpoint",
+    "load_checkpoint_in_model",
     "load_config",
+    "load_state",
     "main_process_first",
     "make_scaler",
     "num_items_in_batch",
@@ -74,6 +89,9 @@ __all__ = [
     "pad_across_processes",
     "reduce",
     "run_on_main",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
     "scaled_backward",
     "set_rng_state",
     "set_seed",

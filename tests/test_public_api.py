@@ -5,9 +5,11 @@ from __future__ import annotations
 import accel
 
 PUBLIC_API = [
+    "CheckpointHandle",
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "PerRank",
     "RankLogger",
     "RunContext",
     "accumulate",
@@ -25,7 +27,10 @@ PUBLIC_API = [
     "get_logger",
     "get_rng_state",
     "init_distributed",
+    "latest_checkpoint",
+    "load_checkpoint_in_model",
     "load_config",
+    "load_state",
     "main_process_first",
     "make_scaler",
     "num_items_in_batch",
@@ -34,6 +39,9 @@ PUBLIC_API = [
     "pad_across_processes",
     "reduce",
     "run_on_main",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
     "scaled_backward",
     "set_rng_state",
     "set_seed",

@@ -1,0 +1,205 @@
+"""Read and write safetensors files straight from tensor memory, with a CRC32 of every byte.
+
+The format (https://github.com/huggingface/safetensors#format): 8 bytes little-endian header
+length, a JSON header (padded with spaces to a multiple of 8), then the raw tensor bytes in
+header order. Writing it here, rather than through `safetensors.torch.save_file`, lets each
+tensor's bytes go to the file without an intermediate copy, lets the checksum run in a second
+thread while the write runs (`zlib.crc32` and `file.write` both release the GIL on large
+buffers), and lets the reader check the checksum on the bytes it reads anyway. Files written
+here are ordinary safetensors files: `safetensors.torch.load_file` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+# Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
+# cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
+CHUNK = 64 << 20
+
+DTYPES = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }
+)
+NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
+
+
+class CorruptFileError(ValueError):
+    """A checkpoint file whose size, checksum or header does not match what was written."""
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in NAMES:
+            raise TypeError(f"safetensors cannot store {name!r} of dtype {t.dtype}.")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
+    for v in views:
+        for start in range(0, len(v), CHUNK):
+            yield v[start : start + CHUNK]
+
+
+def write_file(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, int]:
+    """Write `tensors` (CPU, no two sharing memory) to `path`, fsync it; return (size, crc32)."""
+    views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
+    return write_views(path, views)
+
+
+def write_views(path: Path, views: list[memoryview]) -> tuple[int, int]:
+    """Write the buffers in order, checksumming each chunk in a second thread; fsync."""
+    running = [0]
+
+    def update(chunk: memoryview) -> None:
+        running[0] = zlib.crc32(chunk, running[0])
+
+    size = 0
+    # One worker runs the checksums in order, overlapped with the write of the same chunk.
+    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
+        for chunk in _chunks(views):
+            done = pool.submit(update, chunk)
+            f.write(chunk)
+            size += len(chunk)
+            done.result()
+        os.fsync(f.fileno())
+    return size, running[0]
+
+
+def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into one buffer; check size and crc32 when `expected` is given.
+
+    The returned tensors are views of that buffer (one allocation, one read).
+    """
+    size = path.stat().st_size
+    if expected is not None and size != expected[0]:
+        raise CorruptFileError(
+            f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {expected[0]}; "
+            "the file is truncated or was replaced. Load an earlier checkpoint."
+        )
+    buf = torch.empty(size, dtype=torch.uint8)
+    crc = _read_into(path, memoryview(buf.numpy()).cast("B"))  # type: ignore[arg-type]
+    if expected is not None and crc != expected[1]:
+        raise CorruptFileError(
+            f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
+            f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+        )
+    return parse(fn, path, buf)
+
+
+def _read_into(path: Path, out: memoryview) -> int:
+    running = [0]
+
+    def update(chunk: memoryview) -> None:
+        running[0] = zlib.crc32(chunk, running[0])
+
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
+        done = None
+        for start in range(0, len(out), CHUNK):
+            chunk = out[start : start + CHUNK]
+            got = f.readinto(chunk)
+            if got != len(chunk):
+                raise CorruptFileError(f"{str(path)!r} changed size while being read.")
+            if done is not None:
+                done.result()
+            done = pool.submit(update, chunk)  # checksum this chunk while the next is read
+        if done is not None:
+            done.result()
+    return running[0]
+
+
+def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Split a whole safetensors file held in `buf` (uint8) into tensors viewing it."""
+
+    def bad(why: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{fn}: {str(path)!r} is not a valid safetensors file ({why}); it is truncated or "
+            "corrupt. Save it again or load an earlier checkpoint."
+        )
+
+    total = buf.numel()
+    if total < 8:
+        raise bad(f"{total} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
+    if n > total - 8:
+        raise bad(f"header of {n} bytes in a file of {total}")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n].numpy()))
+        if not isinstance(header, dict):
+            raise TypeError
+    except (ValueError, TypeError):
+        raise bad("header is not a JSON object") from None
+    data = buf[8 + n :]
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r} is malformed") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data.numel() or end - begin != count * itemsize:
+            raise bad(f"tensor {name!r} lies outside the data or has the wrong size")
+        raw = data[begin:end]
+        if (8 + n + begin) % itemsize:  # misaligned in the file: copy to an aligned buffer
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (empty when it has none)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()}
