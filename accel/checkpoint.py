@@ -353,6 +353,14 @@ def load_state(
 
     Returns:
         The manifest (`step`, `world_size`, versions, files).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()) / "state"
+        >>> save_state(RunContext.single(), d, gen=torch.Generator().manual_seed(1))
+        >>> g = torch.Generator()
+        >>> load_state(RunContext.single(), d, gen=g)["world_size"], g.initial_seed()
+        (1, 1)
     """
     from accel._state_io import classify, load
 
