@@ -45,8 +45,11 @@ class Plan:
     """(name, optimizer, name of its model)."""
 
 
-def classify(fn: str, objects: dict[str, Any]) -> Plan:
-    """Sort the objects; raise TypeError naming one that cannot be saved."""
+def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None = None) -> Plan:
+    """Sort the objects; raise TypeError naming one that cannot be saved.
+
+    Models go through DCP when sharded (saving) or when saved that way (`dcp_names`, loading).
+    """
     from accel.checkpoint import PerRank
 
     kinds: list[tuple[str, str]] = []
@@ -66,8 +69,10 @@ def classify(fn: str, objects: dict[str, Any]) -> Plan:
             )
         if isinstance(obj, PerRank):
             kinds.append((name, "per_rank"))
-        elif isinstance(obj, nn.Module) and _dcp.is_sharded(
-            unwrap_model(obj).state_dict().values()
+        elif isinstance(obj, nn.Module) and (
+            name in dcp_names
+            if dcp_names is not None
+            else _dcp.is_sharded(unwrap_model(obj).state_dict().values())
         ):
             dcp_models[name] = unwrap_model(obj)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -191,7 +196,16 @@ def _read(
 def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> None:
     if kind == "module":
         inner = unwrap_model(obj)
-        inner.load_state_dict(check_against_model(fn, inner, state, strict=True))
+        full = check_against_model(fn, inner, state, strict=True)
+        if _dcp.is_sharded(inner.state_dict().values()):  # saved unsharded, loading into FSDP2
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(inner, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            inner.load_state_dict(full)
     elif kind == "generator":
         obj.set_state(state["state"].clone())  # torch reads a view's storage from offset 0
     else:
@@ -199,10 +213,11 @@ def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> Non
 
 
 def load(
-    fn: str, ctx: RunContext, directory: Path, plan: Plan, objects: dict[str, Any], group: Any
+    fn: str, ctx: RunContext, directory: Path, objects: dict[str, Any], group: Any
 ) -> dict[str, Any]:
-    """Verify and load every object in `plan`; returns the manifest."""
+    """Verify and load every object; returns the manifest."""
     manifest = _atomic.read_manifest(fn, directory)
+    plan = classify(fn, objects, frozenset(manifest.get("dcp", ())))
     for name, kind in plan.kinds:
         if kind == "per_rank":
             obj = objects[name].obj

@@ -283,7 +283,7 @@ def _start_save(
     files = snapshot(fn, ctx, plan, objects, copy=not blocking)
     names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
     names += [n for n, _, _ in plan.dcp_optimizers]
-    info = {**info, "objects": names}
+    info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
     timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
 
     def job() -> None:
@@ -362,11 +362,10 @@ def load_state(
         >>> load_state(RunContext.single(), d, gen=g)["world_size"], g.initial_seed()
         (1, 1)
     """
-    from accel._state_io import classify, load
+    from accel._state_io import load
 
     fn = "load_state"
-    plan = classify(fn, objects)
-    return load(fn, ctx, Path(directory), plan, objects, _group(ctx, fn))
+    return load(fn, ctx, Path(directory), objects, _group(ctx, fn))
 
 
 def save_checkpoint(
