@@ -203,7 +203,9 @@ def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> Non
                 set_model_state_dict,
             )
 
-            set_model_state_dict(inner, full, options=StateDictOptions(full_state_dict=True))
+            set_model_state_dict(
+                inner, dict[str, Any](full), options=StateDictOptions(full_state_dict=True)
+            )
         else:
             inner.load_state_dict(full)
     elif kind == "generator":

@@ -102,16 +102,17 @@ def _ddp_checks(ctx: RunContext, tmp: str) -> dict[str, Any]:
     model2 = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     accel.load_state(ctx, f"{tmp}/ddp", model=model2, optimizer=opt2, grads=PerRank(Grads(model2)))
+    pairs = list(zip(model.parameters(), model2.parameters(), strict=True))
     return {
         "rng": torch.equal(torch.rand(2), after_save),
-        "params": all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())),
-        "grads": all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), model2.parameters())),
+        "params": all(torch.equal(a, b) for a, b in pairs),
+        "grads": all(torch.equal(a.grad, b.grad) for a, b in pairs),
         "grad0": model2.module[0].bias.grad.clone(),
         "momentum": all(
             torch.equal(opt.state[a]["momentum_buffer"], opt2.state[b]["momentum_buffer"])
-            for a, b in zip(model.parameters(), model2.parameters())
+            for a, b in pairs
         ),
-    }  # fmt: skip
+    }
 
 
 def _world_two(ctx: RunContext, tmp: str) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def test_ddp_per_rank_state_and_fsdp2_across_world_sizes(tmp_path: Path) -> None
     tmp = str(tmp_path)
     (saved_at_1,) = run_world(_fsdp_save, world_size=1, timeout=TIMEOUT, args=(f"{tmp}/fsdp1",))
     results = run_world(_world_two, world_size=2, timeout=TIMEOUT, args=(tmp,))
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["ddp"]["rng"] and r["ddp"]["params"] and r["ddp"]["grads"]
         assert r["ddp"]["momentum"]
         _assert_same(r["loaded_from_1"][0], saved_at_1[0])  # saved at 1 rank, loaded at 2
