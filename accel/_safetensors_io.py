@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 import zlib
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 
@@ -90,23 +91,46 @@ def write_file(
     return write_views(path, views)
 
 
+class _Checksum:
+    """A running crc32 computed in a helper thread, in submission order.
+
+    A plain thread and queue rather than concurrent.futures, whose pools refuse work once the
+    interpreter begins shutting down, which is when a background save may still be running.
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="accel-crc32", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self.value = zlib.crc32(chunk, self.value)
+
+    def add(self, chunk: memoryview) -> None:
+        self._queue.put(chunk)
+
+    def result(self) -> int:
+        self._queue.put(None)
+        self._thread.join()
+        return self.value
+
+
 def write_views(path: Path, views: list[memoryview]) -> tuple[int, int]:
-    """Write the buffers in order, checksumming each chunk in a second thread; fsync."""
-    running = [0]
-
-    def update(chunk: memoryview) -> None:
-        running[0] = zlib.crc32(chunk, running[0])
-
+    """Write the buffers in order, checksumming in a second thread; fsync."""
+    crc = _Checksum()
     size = 0
-    # One worker runs the checksums in order, overlapped with the write of the same chunk.
-    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
-        for chunk in _chunks(views):
-            done = pool.submit(update, chunk)
-            f.write(chunk)
-            size += len(chunk)
-            done.result()
-        os.fsync(f.fileno())
-    return size, running[0]
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for chunk in _chunks(views):
+                crc.add(chunk)  # overlapped with the write of the same chunk
+                f.write(chunk)
+                size += len(chunk)
+            os.fsync(f.fileno())
+    finally:
+        value = crc.result()
+    return size, value
 
 
 def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str, torch.Tensor]:
@@ -131,24 +155,17 @@ def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str
 
 
 def _read_into(path: Path, out: memoryview) -> int:
-    running = [0]
-
-    def update(chunk: memoryview) -> None:
-        running[0] = zlib.crc32(chunk, running[0])
-
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
-        done = None
-        for start in range(0, len(out), CHUNK):
-            chunk = out[start : start + CHUNK]
-            got = f.readinto(chunk)
-            if got != len(chunk):
-                raise CorruptFileError(f"{str(path)!r} changed size while being read.")
-            if done is not None:
-                done.result()
-            done = pool.submit(update, chunk)  # checksum this chunk while the next is read
-        if done is not None:
-            done.result()
-    return running[0]
+    crc = _Checksum()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for start in range(0, len(out), CHUNK):
+                chunk = out[start : start + CHUNK]
+                if f.readinto(chunk) != len(chunk):
+                    raise CorruptFileError(f"{str(path)!r} changed size while being read.")
+                crc.add(chunk)  # checksum this chunk while the next one is read
+    finally:
+        value = crc.result()
+    return value
 
 
 def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:
