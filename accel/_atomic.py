@@ -46,6 +46,15 @@ def write_bytes(path: Path, data: bytes) -> tuple[int, int]:
     return len(data), zlib.crc32(data)
 
 
+def fsync_file(path: Path) -> None:
+    """Make a written file's data durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def checksum_file(path: Path) -> tuple[int, int]:
     """(size, crc32) of a file on disk."""
     crc = 0

@@ -25,7 +25,7 @@ import torch
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
-CHUNK = 64 << 20
+CHUNK = 8 << 20
 
 DTYPES = MappingProxyType(
     {
@@ -84,11 +84,15 @@ def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
 
 
 def write_file(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
 ) -> tuple[int, int]:
-    """Write `tensors` (CPU, no two sharing memory) to `path`, fsync it; return (size, crc32)."""
+    """Write `tensors` (CPU) to `path` and, unless told not to, fsync; return (size, crc32)."""
     views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
-    return write_views(path, views)
+    return write_views(path, views, fsync=fsync)
 
 
 class _Checksum:
@@ -117,7 +121,7 @@ class _Checksum:
         return self.value
 
 
-def write_views(path: Path, views: list[memoryview]) -> tuple[int, int]:
+def write_views(path: Path, views: list[memoryview], *, fsync: bool = True) -> tuple[int, int]:
     """Write the buffers in order, checksumming in a second thread; fsync."""
     crc = _Checksum()
     size = 0
@@ -127,7 +131,8 @@ def write_views(path: Path, views: list[memoryview]) -> tuple[int, int]:
                 crc.add(chunk)  # overlapped with the write of the same chunk
                 f.write(chunk)
                 size += len(chunk)
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
     finally:
         value = crc.result()
     return size, value

@@ -139,10 +139,17 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     """Write, fsync, and leave a marker listing (size, crc32) of each file written."""
     entries: dict[str, list[int]] = {}
+    written = []
     for stem, (tensors, skeleton) in files.items():
         (staging / stem).parent.mkdir(parents=True, exist_ok=True)
-        entries[f"{stem}.safetensors"] = list(write_file(staging / f"{stem}.safetensors", tensors))
+        path = staging / f"{stem}.safetensors"
+        # fsync after all writes, as a hand-written save would: the kernel writes the first
+        # files back while the later ones are still being written.
+        entries[f"{stem}.safetensors"] = list(write_file(path, tensors, fsync=False))
+        written.append(path)
         entries[f"{stem}.json"] = list(_atomic.write_bytes(staging / f"{stem}.json", skeleton))
+    for path in written:
+        _atomic.fsync_file(path)
     marker = staging / f".rank{rank}.done"
     _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode())
     marker.with_suffix(".tmp").rename(marker)
