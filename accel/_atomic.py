@@ -37,12 +37,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: Path, data: bytes) -> tuple[int, int]:
-    """Write and fsync a small file; return (size, crc32)."""
+def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> tuple[int, int]:
+    """Write (and by default fsync) a small file; return (size, crc32)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     return len(data), zlib.crc32(data)
 
 

@@ -12,6 +12,7 @@ here are ordinary safetensors files: `safetensors.torch.load_file` reads them.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import queue
 import struct
@@ -139,9 +140,11 @@ def write_views(path: Path, views: list[memoryview], *, fsync: bool = True) -> t
 
 
 def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str, torch.Tensor]:
-    """Read a safetensors file into one buffer; check size and crc32 when `expected` is given.
+    """Map a safetensors file; check size and crc32 when `expected` is given; return tensors.
 
-    The returned tensors are views of that buffer (one allocation, one read).
+    The file is mapped copy-on-write (as `safetensors.torch.load_file` does): the checksum pass
+    reads the pages straight from the page cache, the tensors view the mapping without a copy,
+    and writing to them (an optimizer updating its loaded state) never touches the file.
     """
     size = path.stat().st_size
     if expected is not None and size != expected[0]:
@@ -149,28 +152,22 @@ def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str
             f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {expected[0]}; "
             "the file is truncated or was replaced. Load an earlier checkpoint."
         )
-    buf = torch.empty(size, dtype=torch.uint8)
-    crc = _read_into(path, memoryview(buf.numpy()).cast("B"))  # type: ignore[arg-type]
-    if expected is not None and crc != expected[1]:
-        raise CorruptFileError(
-            f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
-            f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
-        )
-    return parse(fn, path, buf)
-
-
-def _read_into(path: Path, out: memoryview) -> int:
-    crc = _Checksum()
-    try:
-        with open(path, "rb", buffering=0) as f:
-            for start in range(0, len(out), CHUNK):
-                chunk = out[start : start + CHUNK]
-                if f.readinto(chunk) != len(chunk):
-                    raise CorruptFileError(f"{str(path)!r} changed size while being read.")
-                crc.add(chunk)  # checksum this chunk while the next one is read
-    finally:
-        value = crc.result()
-    return value
+    if size == 0:
+        return parse(fn, path, torch.empty(0, dtype=torch.uint8))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if expected is not None:
+        crc = 0
+        view = memoryview(mapped)
+        for start in range(0, size, CHUNK):
+            crc = zlib.crc32(view[start : start + CHUNK], crc)
+        view.release()
+        if crc != expected[1]:
+            raise CorruptFileError(
+                f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
+                f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+            )
+    return parse(fn, path, torch.frombuffer(mapped, dtype=torch.uint8))
 
 
 def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:

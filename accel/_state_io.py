@@ -146,12 +146,16 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
         # fsync after all writes, as a hand-written save would: the kernel writes the first
         # files back while the later ones are still being written.
         entries[f"{stem}.safetensors"] = list(write_file(path, tensors, fsync=False))
-        written.append(path)
-        entries[f"{stem}.json"] = list(_atomic.write_bytes(staging / f"{stem}.json", skeleton))
+        entries[f"{stem}.json"] = list(
+            _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
+        )
+        written += [path, staging / f"{stem}.json"]
     for path in written:
         _atomic.fsync_file(path)
     marker = staging / f".rank{rank}.done"
-    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode())
+    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
+    # manifest rank 0 writes from it is what must be durable.
+    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
     marker.with_suffix(".tmp").rename(marker)
 
 
