@@ -26,6 +26,13 @@ from accel.collectives import (
 )
 from accel.config import Config, default_config_path, load_config
 from accel.context import RunContext
+from accel.data import (
+    ShardBatch,
+    ShardedLoader,
+    ShardPlan,
+    gather_for_metrics,
+    shard_loader,
+)
 from accel.distributed import (
     any_rank,
     init_distributed,
@@ -53,15 +60,29 @@ from accel.precision import (
     scaled_backward,
 )
 from accel.seeding import get_rng_state, set_rng_state, set_seed
+from accel.tracking import (
+    JSONLTracker,
+    TensorBoardTracker,
+    Tracker,
+    log_hparams,
+    log_metrics,
+    progress,
+)
 
 __all__ = [
     "CheckpointHandle",
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "JSONLTracker",
     "PerRank",
     "RankLogger",
     "RunContext",
+    "ShardBatch",
+    "ShardPlan",
+    "ShardedLoader",
+    "TensorBoardTracker",
+    "Tracker",
     "accumulate",
     "any_rank",
     "autocast",
@@ -73,6 +94,7 @@ __all__ = [
     "default_config_path",
     "find_executable_batch_size",
     "gather",
+    "gather_for_metrics",
     "gather_object",
     "get_logger",
     "get_rng_state",
@@ -81,12 +103,15 @@ __all__ = [
     "load_checkpoint_in_model",
     "load_config",
     "load_state",
+    "log_hparams",
+    "log_metrics",
     "main_process_first",
     "make_scaler",
     "num_items_in_batch",
     "on_main_process",
     "optimizer_step",
     "pad_across_processes",
+    "progress",
     "reduce",
     "run_on_main",
     "save_checkpoint",
@@ -95,6 +120,7 @@ __all__ = [
     "scaled_backward",
     "set_rng_state",
     "set_seed",
+    "shard_loader",
     "should_sync",
     "shutdown",
     "split_between_processes",

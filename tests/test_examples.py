@@ -1,4 +1,4 @@
-"""Every example runs for a few steps under `accel launch` at 2 CPU processes, as its docstring says."""
+"""Every example runs a few steps under `accel launch` at 2 CPU processes, as its docstring says."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Example -> (arguments for a short run, a line its output must contain).
 SMOKE = {
     "train_minimal.py": (["--steps", "20"], r"\[rank 0\] step 20 loss (\d+\.\d+)"),
+    "one_piece.py": (["--epochs", "1"], r"epoch 0 accuracy \d\.\d+ on 200 samples"),
+    "test_my_step.py": ([], r"\[rank 1\] parameters after 3 steps"),
 }
 
 
@@ -44,3 +46,12 @@ def test_train_minimal_learns_in_one_process(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", run.stderr + run.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 4, losses
+
+
+def test_the_users_pytest_example_passes() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_step.py"],
+        capture_output=True, text=True, timeout=300, cwd=EXAMPLES,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout

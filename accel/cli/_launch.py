@@ -52,7 +52,10 @@ def add_parser(commands: Any) -> None:
     )  # fmt: skip
     add_flag(parser, "use_cpu", action="store_true", default=None, help="ignore GPUs")
     add_flag(parser, "log_dir", default=None, help="write each worker's output under this folder")
-    add_flag(parser, "tee", default=None, help="torchrun --tee: 0 none, 1 stdout, 2 stderr, 3 both")
+    add_flag(
+        parser, "tee", default=None, choices=("0", "1", "2", "3"),
+        help="also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
+    )  # fmt: skip
     parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")

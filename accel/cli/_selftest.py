@@ -13,6 +13,9 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "test",
         help="check collectives, a DDP step and a checkpoint round trip on the configured world",
+        description="Launch a short self-check on every process of the configured world (the "
+        "config in force, or --config_file, and --num_processes): a gather and a reduce, one "
+        "DDP step against the full-batch step, a safetensors round trip. Exits 1 on failure.",
     )
     add_flag(parser, "config_file", default=None, help="YAML config (default: the one in force)")
     add_flag(parser, "num_processes", type=int, default=None, help="override the process count")

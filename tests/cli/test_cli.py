@@ -275,3 +275,100 @@ def test_worker_environment_carries_the_settings() -> None:
         "ACCEL_PRECISION": "fp16", "ACCEL_GRAD_ACCUM_STEPS": "2", "ACCEL_SEED": "5",
         "ACCEL_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "3",
     }  # fmt: skip
+
+
+MODULE_SCRIPT = """
+import json, os, sys, torch
+import accel
+ctx = accel.init_distributed()
+print(f"hello from rank {ctx.rank}", flush=True)
+with open(f"{sys.argv[1]}/{ctx.rank}.json", "w") as f:
+    json.dump({"rank": ctx.rank, "threads": torch.get_num_threads(),
+               "omp": os.environ.get("OMP_NUM_THREADS"), "name": __name__}, f)
+accel.shutdown(ctx)
+"""
+
+
+def test_launch_a_module_with_threads_and_a_log_dir(tmp_path: Path) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "report.py").write_text(MODULE_SCRIPT)
+    logs = tmp_path / "logs"
+    out = accel_cli(
+        tmp_path, "launch", "--num-processes", "2", "--num-cpu-threads-per-process", "2",
+        "--log-dir", str(logs), "--tee", "3", "-m", "mypkg.report", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    reports = _reports(tmp_path, 2)
+    assert [(r["rank"], r["threads"], r["omp"], r["name"]) for r in reports] == [
+        (0, 2, "2", "__main__"),
+        (1, 2, "2", "__main__"),
+    ]
+    # --tee 3: each worker's output is on the console and in its own file under --log-dir.
+    assert "hello from rank 0" in out.stdout and "hello from rank 1" in out.stdout
+    logged = sorted(p.read_text().strip() for p in logs.rglob("stdout.log"))
+    assert logged == ["hello from rank 0", "hello from rank 1"]
+
+
+RESTART_SCRIPT = """
+import os, sys
+from pathlib import Path
+import accel
+marker = Path(sys.argv[1]) / "failed-once"
+ctx = accel.init_distributed()
+if ctx.rank == 1 and not marker.exists():
+    marker.write_text(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    raise SystemExit(1)
+accel.wait_for_everyone(ctx)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+(Path(sys.argv[1]) / f"done-{ctx.rank}").write_text(attempt)
+accel.shutdown(ctx)
+"""
+
+
+def test_max_restarts_restarts_a_script_that_fails_once(tmp_path: Path) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text(RESTART_SCRIPT)
+    out = accel_cli(
+        tmp_path, "launch", "--num_processes", "2", "--max-restarts", "1", str(script),
+        str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    # Rank 1 failed on attempt 0; the agent restarted both workers, which finished attempt 1.
+    assert (tmp_path / "failed-once").read_text() == "0"
+    assert [(tmp_path / f"done-{r}").read_text() for r in (0, 1)] == ["1", "1"]
+
+
+def test_every_flag_reaches_torchrun_in_either_spelling(tmp_path: Path) -> None:
+    from accel.cli._main import build_parser
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    args = build_parser().parse_args(
+        ["launch", "--max-restarts", "3", "--monitor_interval", "0.5", "--num-processes", "4",
+         "--log_dir", "L", "--tee", "1", str(script), "--lr", "3"]
+    )  # fmt: skip
+    argv = _launch.torchrun_argv(_launch.resolve_config(args), args)
+    assert argv[:8] == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "3",
+                        "--monitor-interval", "0.5"]  # fmt: skip
+    assert argv[-7:] == ["--log-dir", "L", "--tee", "1", str(script), "--lr", "3"]
+
+
+def test_help_lists_every_subcommand_and_bad_tee_is_refused(tmp_path: Path) -> None:
+    top = accel_cli(tmp_path, "--help")
+    assert top.returncode == 0
+    for command in ("config", "launch", "env", "test", "estimate-memory"):
+        assert command in top.stdout
+    launch_help = accel_cli(tmp_path, "launch", "--help").stdout
+    for flag in ("--num_processes", "--num-processes", "--max_restarts", "--monitor_interval",
+                 "--num_cpu_threads_per_process", "--log_dir", "--tee", "--module"):  # fmt: skip
+        assert flag in launch_help
+    # The installed `accel` command is the same entry point as `python -m accel`.
+    script = subprocess.run(
+        [str(Path(sys.executable).parent / "accel"), "--help"], env=_env(tmp_path),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert script.returncode == 0 and script.stdout == top.stdout
+    bad = accel_cli(tmp_path, "launch", "--tee", "7", "x.py")
+    assert bad.returncode == 2 and "--tee" in bad.stderr and "invalid choice" in bad.stderr

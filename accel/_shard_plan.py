@@ -1,0 +1,182 @@
+"""Which indices each rank reads: pure arithmetic over the batches of one epoch.
+
+The layout is the one Hugging Face Accelerate's `BatchSamplerShard` and `IterableDatasetShard`
+produce, so a migrating user sees the same samples on the same ranks:
+
+- batch k of the underlying batch sampler goes to rank k mod n;
+- `split_batches`: every batch is cut into n equal slices, slice r to rank r;
+- `drop_last`: the last, incomplete round is dropped;
+- `even_batches` (and not `drop_last`): the last round is completed with samples cycled from the
+  start of the epoch, so every rank gets the same number of batches of the same size. Those
+  samples are padding: `ShardBatch.padding` counts them (they always sit at the batch's end),
+  and `gather_for_metrics` drops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from typing_extensions import Self
+
+from accel.context import RunContext
+
+__all__ = ["ShardBatch", "ShardPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardBatch:
+    """The dataset indices of one batch of one rank; the last `padding` of them are repeats."""
+
+    indices: tuple[int, ...]
+    padding: int = 0
+
+    @property
+    def num_real(self) -> int:
+        return len(self.indices) - self.padding
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardPlan:
+    """Per-rank sharding of an epoch's batches, computable on any rank for every rank.
+
+    `batch_size` is the underlying loader's batch size (None for batch samplers of variable size);
+    with `split_batches` it is the global batch size and each rank gets `batch_size // world_size`.
+
+    Example:
+
+    >>> plan = ShardPlan(rank=1, world_size=2, batch_size=2)
+    >>> [b.indices for b in plan.shard([[0, 1], [2, 3], [4, 5], [6]])]
+    [(2, 3), (6, 0)]
+    >>> plan.shard([[0, 1], [2, 3], [4, 5], [6]])[-1].padding
+    1
+    """
+
+    rank: int
+    world_size: int
+    batch_size: int | None
+    split_batches: bool = False
+    even_batches: bool = True
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"ShardPlan: rank={self.rank} must be in [0, world_size={self.world_size})."
+            )
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"ShardPlan: batch_size={self.batch_size} must be >= 1 or None.")
+        if self.split_batches:
+            if self.batch_size is None:
+                raise ValueError(
+                    "split_batches=True needs a loader with a batch size: each batch is cut into "
+                    "world_size equal slices. Give the DataLoader batch_size=..., or use "
+                    "split_batches=False."
+                )
+            if self.batch_size % self.world_size:
+                raise ValueError(
+                    f"split_batches=True: the batch size {self.batch_size} is not divisible by "
+                    f"the world size {self.world_size}; use a batch size that is a multiple of "
+                    f"{self.world_size}, or split_batches=False."
+                )
+
+    @classmethod
+    def for_context(cls, ctx: RunContext, **options: object) -> Self:
+        """The plan for `ctx`'s rank and world size.
+
+        Example:
+
+        >>> ShardPlan.for_context(RunContext(rank=1, world_size=2), batch_size=4).rank
+        1
+        """
+        return cls(rank=ctx.rank, world_size=ctx.world_size, **options)  # type: ignore[arg-type]
+
+    def for_rank(self, rank: int) -> ShardPlan:
+        """The same plan seen from another rank."""
+        return ShardPlan(
+            rank=rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            drop_last=self.drop_last,
+        )
+
+    def shard(self, batches: Sequence[Sequence[int]]) -> list[ShardBatch]:
+        """This rank's batches, given every underlying batch of the epoch in order."""
+        if self.split_batches:
+            return self._split(batches)
+        return self._round_robin(batches)
+
+    def _round_robin(self, batches: Sequence[Sequence[int]]) -> list[ShardBatch]:
+        n, r, size = self.world_size, self.rank, self.batch_size
+        out = [
+            ShardBatch(tuple(batches[k]))
+            for k in range(r, len(batches), n)
+            # a round is yielded only when complete (and, with a fixed batch size, when its last
+            # batch is full); what remains is handled below
+            if (k // n + 1) * n <= len(batches)
+            and (size is None or len(batches[(k // n + 1) * n - 1]) == size)
+        ]
+        done_rounds = len(out)
+        if self.drop_last or not batches:
+            return out
+        tail = list(batches[done_rounds * n :])
+        if not tail:
+            return out
+        if not self.even_batches:
+            if r < len(tail):
+                out.append(ShardBatch(tuple(tail[r])))
+            return out
+        if size is None:  # variable-size batches: lend whole batches from the start of the epoch
+            lent = [batches[i % len(batches)] for i in range(n - len(tail))]
+            entries = [ShardBatch(tuple(b)) for b in tail] + [
+                ShardBatch(tuple(b), len(b)) for b in lent
+            ]
+            out.append(entries[r])
+            return out
+        start = [i for b in batches[:n] for i in b]
+        while len(start) < n * size:
+            start += start
+        cursor = 0
+        for k in range(n):
+            batch = list(tail[k]) if k < len(tail) else []
+            need = size - len(batch)
+            pad = start[cursor : cursor + need]
+            cursor += need
+            if k == r:
+                out.append(ShardBatch(tuple(batch + pad), len(pad)))
+        return out
+
+    def _split(self, batches: Sequence[Sequence[int]]) -> list[ShardBatch]:
+        assert self.batch_size is not None  # checked in __post_init__
+        per = self.batch_size // self.world_size
+        lo, hi = per * self.rank, per * (self.rank + 1)
+        out = [ShardBatch(tuple(b[lo:hi])) for b in batches if len(b) == self.batch_size]
+        if self.drop_last or not batches or len(batches[-1]) == self.batch_size:
+            return out
+        last = list(batches[-1])
+        if not self.even_batches:
+            if len(last) > lo:
+                out.append(ShardBatch(tuple(last[lo:hi])))
+            return out
+        start = list(batches[0])
+        while len(start) < self.batch_size:
+            start += start
+        full = last + start
+        real = max(0, min(per, len(last) - lo))
+        out.append(ShardBatch(tuple(full[lo:hi]), per - real))
+        return out
+
+    def iterable_slice(self, chunk: Sequence[object], num_real: int) -> tuple[list[object], int]:
+        """This rank's part of one chunk of an iterable dataset, and how much of it is padding.
+
+        A chunk holds `world_size * batch_size` elements (or `batch_size` with split_batches),
+        of which the first `num_real` are real; the rest were cycled from the first chunk.
+        """
+        assert self.batch_size is not None  # iterable datasets are batched by the loader
+        per = self.batch_size // self.world_size if self.split_batches else self.batch_size
+        lo = per * self.rank
+        part = list(chunk[lo : lo + per])
+        real = max(0, min(len(part), num_real - lo))
+        return part, len(part) - real

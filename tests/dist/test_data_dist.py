@@ -1,0 +1,107 @@
+"""shard_loader and gather_for_metrics in real gloo worlds of 2 and 4 processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+import accel
+from accel.testing import run_world
+
+pytestmark = pytest.mark.dist
+
+
+class Stream(IterableDataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def _evaluate(ctx: accel.RunContext, loader: accel.ShardedLoader, stop: int | None = None) -> list[int]:
+    out: list[int] = []
+    for k, batch in enumerate(loader):
+        if k == stop:
+            break
+        out += accel.gather_for_metrics(ctx, {"pred": batch * 10}, loader=loader)["pred"].tolist()
+    return out
+
+
+def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    res["full"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2)))
+    res["early"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2)), stop=2)
+    uneven = accel.shard_loader(ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False)
+    res["uneven"] = _evaluate(ctx, uneven)
+    res["iterable"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(Stream(13), batch_size=3)))
+    # evaluation in the middle of a training epoch does not disturb the training loader
+    train = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
+    seen, evals = [], []
+    for k, batch in enumerate(train):
+        seen.append(batch.tolist())
+        if k == 1:
+            evals = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(7)), batch_size=3)))
+    res["train"], res["mid_eval"] = seen, evals
+    # interrupted run: three batches of epoch 1, then save the position
+    train.set_epoch(1)
+    it = iter(train)
+    res["head"] = [next(it).tolist() for _ in range(3)]
+    Path(folder, f"{ctx.rank}.json").write_text(json.dumps(train.state_dict()))
+    full = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
+    full.set_epoch(1)
+    res["epoch1"] = [b.tolist() for b in full]
+    return res
+
+
+def _resume(ctx: accel.RunContext, folder: str) -> list[list[int]]:
+    train = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
+    train.load_state_dict(json.loads(Path(folder, f"{ctx.rank}.json").read_text()))
+    return [b.tolist() for b in train]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, list[Any]]:
+    folder = str(tmp_path_factory.mktemp(f"data{request.param}"))
+    return request.param, folder, run_world(_world, world_size=request.param, timeout=180, args=(folder,))
+
+
+def test_every_sample_is_counted_once_in_order(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    for res in results:  # every rank gets the same gathered values
+        assert res["full"] == [10 * i for i in range(13)]
+        assert res["iterable"] == [10 * i for i in range(13)]
+        assert res["mid_eval"] == [10 * i for i in range(7)]
+
+
+def test_early_break_gathers_the_rounds_seen(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    assert all(res["early"] == [10 * i for i in range(min(13, 2 * 2 * n))] for res in results)
+
+
+def test_uneven_last_batches_are_padded_then_trimmed(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    assert all(res["uneven"] == [10 * i for i in range(8 * n - 2)] for res in results)
+
+
+def test_training_shards_cover_the_data_with_equal_batch_counts(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    counts = {len(res["train"]) for res in results}
+    assert counts == {-(-15 // n)}  # 15 batches of 2, the last round completed
+    samples = [i for res in results for b in res["train"] for i in b]
+    assert set(samples) == set(range(30))
+    assert len(samples) - 30 == (-(-15 // n) * n - 15) * 2  # only the completion repeats
+
+
+def test_resume_in_new_processes_yields_exactly_the_rest(world: tuple[int, str, list[Any]]) -> None:
+    n, folder, results = world
+    resumed = run_world(_resume, world_size=n, timeout=120, args=(folder,))
+    for res, rest in zip(results, resumed, strict=True):
+        assert res["head"] + rest == res["epoch1"]
+        assert res["epoch1"] != res["train"]  # a new order in the new epoch

@@ -1,0 +1,182 @@
+"""Trackers and progress bars on hand-built contexts: exact file contents, main-only writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from accel import (
+    JSONLTracker,
+    RunContext,
+    TensorBoardTracker,
+    Tracker,
+    log_hparams,
+    log_metrics,
+    progress,
+)
+
+MAIN = RunContext(rank=0, world_size=2, device=torch.device("cpu"))
+OTHER = RunContext(rank=1, world_size=2, device=torch.device("cpu"))
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_appends_one_flushed_object_per_call(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "metrics.jsonl"
+    tracker = JSONLTracker(path)
+    assert not path.exists()  # nothing is created before the first write
+    log_hparams(MAIN, {"lr": 0.5, "layers": 2, "dtype": torch.bfloat16}, trackers=[tracker])
+    log_metrics(MAIN, {"loss": torch.tensor(0.25), "n": 3}, step=0, trackers=[tracker])
+    log_metrics(MAIN, {"loss": torch.tensor([0.125])}, step=7, trackers=[tracker])
+    # Flushed per call: readable while the tracker is still open.
+    assert _lines(path) == [
+        {"hparams": {"lr": 0.5, "layers": 2, "dtype": "torch.bfloat16"}},
+        {"step": 0, "loss": 0.25, "n": 3},
+        {"step": 7, "loss": 0.125},
+    ]
+    tracker.close()
+    with JSONLTracker(path) as again:  # a resumed run appends
+        log_metrics(MAIN, {"loss": 0.0625}, step=8, trackers=[again])
+    assert _lines(path)[-1] == {"step": 8, "loss": 0.0625}
+    assert len(_lines(path)) == 4
+
+
+def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with JSONLTracker(path) as tracker:
+        log_hparams(OTHER, {"lr": 1}, trackers=[tracker])
+        log_metrics(OTHER, {"loss": "not even checked"}, step=-1, trackers=[tracker])
+    assert not path.exists()
+
+
+def test_hparams_are_stored_once_and_closed_trackers_refuse(tmp_path: Path) -> None:
+    tracker = JSONLTracker(tmp_path / "m.jsonl")
+    log_hparams(MAIN, {"lr": 1}, trackers=[tracker])
+    with pytest.raises(RuntimeError, match="hyper-parameters were already stored"):
+        log_hparams(MAIN, {"lr": 2}, trackers=[tracker])
+    tracker.close()
+    with pytest.raises(RuntimeError, match="JSONLTracker: the tracker is closed"):
+        log_metrics(MAIN, {"loss": 1.0}, step=0, trackers=[tracker])
+    assert _lines(tmp_path / "m.jsonl") == [{"hparams": {"lr": 1}}]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "step", "error", "message"),
+    [
+        ({"loss": "low"}, 0, TypeError, r"metrics\['loss'\]='low' is a str; expected a number"),
+        ({"loss": torch.ones(2)}, 0, ValueError, r"tensor of shape \(2,\); expected one number"),
+        ({"loss": 1.0}, -1, ValueError, "step=-1 must be an int >= 0"),
+        ({"loss": 1.0}, True, ValueError, "step=True must be an int >= 0"),
+        ({"step": 1.0}, 0, ValueError, "metric name 'step' is not allowed"),
+    ],
+)
+def test_bad_metrics_name_the_value(
+    tmp_path: Path, metrics: dict, step: int, error: type[Exception], message: str
+) -> None:
+    with JSONLTracker(tmp_path / "m.jsonl") as tracker, pytest.raises(error, match=message):
+        log_metrics(MAIN, metrics, step=step, trackers=[tracker])
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_trackers_must_be_a_sequence(tmp_path: Path) -> None:
+    tracker = JSONLTracker(tmp_path / "m.jsonl")
+    assert isinstance(tracker, Tracker)
+    with pytest.raises(TypeError, match=r"must be a list or tuple of trackers. Pass trackers="):
+        log_metrics(MAIN, {"loss": 1.0}, step=0, trackers=tracker)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="log_hparams: trackers="):
+        log_hparams(OTHER, {}, trackers=tracker)  # type: ignore[arg-type]
+
+
+class _Recorder:
+    """A user-written tracker: anything with log, log_hparams and close plugs in."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def log(self, metrics: dict, *, step: int) -> None:
+        self.calls.append(("log", step, dict(metrics)))
+
+    def log_hparams(self, hparams: dict) -> None:
+        self.calls.append(("hparams", dict(hparams)))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_custom_trackers_get_plain_numbers() -> None:
+    first, second = _Recorder(), _Recorder()
+    log_metrics(MAIN, {"acc": torch.tensor(3)}, step=2, trackers=(first, second))
+    log_hparams(MAIN, {"seed": 1}, trackers=[first])
+    assert first.calls == [("log", 2, {"acc": 3}), ("hparams", {"seed": 1})]
+    assert second.calls == [("log", 2, {"acc": 3})]
+    assert type(first.calls[0][2]["acc"]) is int
+
+
+def _read_events(folder: Path) -> tuple[dict[str, list[tuple[int, float]]], dict[str, object]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    (event_file,) = folder.glob("events.out.tfevents.*")
+    events = EventAccumulator(str(event_file))
+    events.Reload()
+    scalars = {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+    hparams: dict[str, object] = {}
+    for content in events.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        for name, value in data.session_start_info.hparams.items():
+            hparams[name] = (
+                value.number_value
+                if value.HasField("number_value")
+                else (value.string_value if value.HasField("string_value") else value.bool_value)
+            )
+    return scalars, hparams
+
+
+def test_tensorboard_event_file_reads_back(tmp_path: Path) -> None:
+    folder = tmp_path / "tb"
+    with TensorBoardTracker(folder) as tracker:
+        assert not folder.exists()  # created at the first write
+        log_hparams(MAIN, {"lr": 0.5, "opt": "adam", "ema": True, "dev": "cpu"}, trackers=[tracker])
+        for step, loss in ((0, 2.0), (1, 1.5), (5, 0.25)):
+            log_metrics(
+                MAIN, {"loss": torch.tensor(loss), "lr": 0.5}, step=step, trackers=[tracker]
+            )
+    scalars, hparams = _read_events(folder)
+    assert scalars == {
+        "loss": [(0, 2.0), (1, 1.5), (5, 0.25)],
+        "lr": [(0, 0.5), (1, 0.5), (5, 0.5)],
+    }
+    assert hparams == {"lr": 0.5, "opt": "adam", "ema": True, "dev": "cpu"}
+
+
+def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As if tensorboard were not installed: importing torch.utils.tensorboard fails.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"pip install 'accel\[tensorboard\]'"):
+        TensorBoardTracker("unused")
+
+
+def test_progress_shows_a_bar_on_the_main_process_only() -> None:
+    stream = io.StringIO()
+    items = [1, 2, 3]
+    bar = progress(MAIN, items, desc="train", file=stream, mininterval=0)
+    assert list(bar) == items
+    assert "train: 100%" in stream.getvalue() and "3/3" in stream.getvalue()
+    assert progress(OTHER, items, desc="train", file=stream) is items
+
+
+def test_progress_without_tqdm_iterates_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    items = range(3)
+    with pytest.warns(UserWarning, match=r"tqdm is not installed.*accel\[tqdm\]"):
+        assert progress(MAIN, items) is items
+    assert progress(OTHER, items) is items
