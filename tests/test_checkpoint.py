@@ -417,3 +417,23 @@ def test_bad_step_and_keep(tmp_path: Path) -> None:
         accel.save_checkpoint(CTX, tmp_path, {}, step=1, keep=0)
     assert accel.latest_checkpoint(tmp_path / "none") is None
     assert os.listdir(tmp_path) == []
+
+
+def test_sharded_loader_position_resumes_mid_epoch(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    def loader() -> Any:
+        data = DataLoader(list(range(20)), batch_size=2, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return accel.shard_loader(CTX, data, seed=3)
+
+    first = loader()
+    first.set_epoch(1)
+    it = iter(first)
+    seen = [next(it).tolist() for _ in range(4)]
+    accel.save_state(CTX, tmp_path / "s", loader=first)
+    rest = [b.tolist() for b in it]
+    resumed = loader()
+    accel.load_state(CTX, tmp_path / "s", loader=resumed)
+    assert [b.tolist() for b in resumed] == rest
+    assert len(seen) + len(rest) == 10
