@@ -37,10 +37,14 @@ def dedupe_tied(
     for name, t in state.items():
         if t.device.type == "meta":
             raise ValueError(f"save_model: tensor {name!r} is on the meta device (no data).")
-        key = (
-            t.untyped_storage().data_ptr(), t.device, t.storage_offset(), t.dtype,
-            tuple(t.shape), t.stride(),
-        )  # fmt: skip
+        key: tuple[object, ...]
+        if hasattr(t, "to_local"):  # an FSDP2 DTensor: tied parameters are the same object
+            key = ("dtensor", id(t))
+        else:
+            key = (
+                t.untyped_storage().data_ptr(), t.device, t.storage_offset(), t.dtype,
+                tuple(t.shape), t.stride(),
+            )  # fmt: skip
         if t.numel() > 0 and key in kept:
             aliases[name] = kept[key]
         else:

@@ -120,7 +120,21 @@ def _world_two(ctx: RunContext, tmp: str) -> dict[str, Any]:
     saved_at_2 = _fsdp_save(ctx, f"{tmp}/fsdp2")
     loaded_from_1 = _fsdp_load(ctx, f"{tmp}/fsdp1")
     accel.save_model(ctx, _fsdp_load_model(ctx, f"{tmp}/fsdp2"), f"{tmp}/hf", full_state_dict=True)
-    return {"ddp": ddp, "saved_at_2": saved_at_2, "loaded_from_1": loaded_from_1}
+    into_fsdp = _fsdp(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    accel.load_checkpoint_in_model(into_fsdp, f"{tmp}/hf")  # full weights into FSDP2 shards
+    hf_into_fsdp = _full(into_fsdp, torch.optim.SGD(into_fsdp.parameters(), lr=0.1))[0]
+    # A background save at 2 ranks: rank 0 publishes once both ranks' files are written.
+    handle = accel.save_checkpoint(ctx, f"{tmp}/async", {"model": _mlp()}, step=4, blocking=False)
+    handle.wait()
+    dist.barrier()
+    latest = accel.latest_checkpoint(f"{tmp}/async")
+    return {
+        "ddp": ddp,
+        "saved_at_2": saved_at_2,
+        "loaded_from_1": loaded_from_1,
+        "hf_into_fsdp": hf_into_fsdp,
+        "latest": None if latest is None else latest.name,
+    }
 
 
 def _fsdp_load_model(ctx: RunContext, directory: str) -> nn.Module:
@@ -148,6 +162,12 @@ def test_ddp_per_rank_state_and_fsdp2_across_world_sizes(tmp_path: Path) -> None
         _assert_same(r["loaded_from_1"][0], saved_at_1[0])  # saved at 1 rank, loaded at 2
         _assert_same(r["loaded_from_1"][1], saved_at_1[1])
         _assert_same(r["saved_at_2"][0], results[0]["saved_at_2"][0])
+    assert [r["latest"] for r in results] == ["step-4", "step-4"]
+    for r in results:
+        _assert_same(r["hf_into_fsdp"], results[0]["saved_at_2"][0])
+    assert sorted(p.name for p in (tmp_path / "async" / "step-4" / "rng").iterdir()) == [
+        "rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors",
+    ]  # fmt: skip
     # The per-rank gradients came back to their own rank: rank r's input was r + 1.
     assert not torch.equal(results[0]["ddp"]["grad0"], results[1]["ddp"]["grad0"])
     # Saved at 2 ranks, loaded in one plain process (no process group, no FSDP2).
