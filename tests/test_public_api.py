@@ -5,10 +5,12 @@ from __future__ import annotations
 import accel
 
 PUBLIC_API = [
+    "CheckpointHandle",
     "Config",
     "DDPOptions",
     "FSDPOptions",
     "JSONLTracker",
+    "PerRank",
     "RankLogger",
     "RunContext",
     "ShardBatch",
@@ -39,7 +41,10 @@ PUBLIC_API = [
     "init_distributed",
     "init_empty_weights",
     "init_on_device",
+    "latest_checkpoint",
+    "load_checkpoint_in_model",
     "load_config",
+    "load_state",
     "log_hparams",
     "log_metrics",
     "main_process_first",
@@ -52,6 +57,9 @@ PUBLIC_API = [
     "reduce",
     "remove_hooks",
     "run_on_main",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
     "scaled_backward",
     "set_rng_state",
     "set_seed",
