@@ -26,6 +26,7 @@ SMOKE = {
         ["--steps", "12", "--ckpt_every", "6", "--eval_every", "6", "--out", "run"],
         r"step 12 train_loss \d+\.\d+ lr 0\.000000 val_loss \d+\.\d+",
     ),
+    "fsdp2.py": (["--steps", "10", "--out", "run"], r"step 10 loss \d+\.\d+ grad_norm \d+\.\d+"),
     "big_model_inference.py": (
         ["--out", "run"],
         r"\[rank 1\] prompts \[4, 5, 6, 7\]: outputs equal the fully loaded model",
