@@ -102,3 +102,14 @@ def test_migration_table_covers_every_accelerator_name() -> None:
     first_column = set(re.findall(r"^\| `([\w.]+)`", text, re.M))
     missing = [name for name in ACCELERATOR_NAMES if name not in first_column]
     assert not missing, f"docs/migration.md has no row for {missing}"
+
+
+def test_every_accel_name_the_docs_mention_exists() -> None:
+    import accel
+    import accel.testing
+
+    for page in PAGES:
+        for name in set(re.findall(r"\baccel\.(\w+)", page.read_text())):
+            if name in {"testing", "cli"}:
+                continue
+            assert hasattr(accel, name), f"{page.name} mentions accel.{name}, which does not exist"
