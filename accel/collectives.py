@@ -23,6 +23,7 @@ from typing import Any, TypeVar, get_args
 import torch
 import torch.distributed as dist
 
+from accel._exit import register_exit_guard
 from accel._tree import TreeDef, tensor_leaves, unflatten
 from accel._typing import ReduceOp, TensorTree
 from accel.context import RunContext
@@ -53,6 +54,7 @@ def require_group(ctx: RunContext, fn: str) -> Any:
     `ctx.process_group=None` means torch's default group, as `group=None` does in torch; it
     must exist and match the context's world size. Raises naming `fn` otherwise.
     """
+    register_exit_guard()  # the group may be the caller's own, made without init_distributed
     if ctx.process_group is not None:
         return ctx.process_group
     if not (dist.is_available() and dist.is_initialized()):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
+from accel._exit import register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._typing import Backend, Precision
 from accel.collectives import comm_device, named_collective, require_group
@@ -199,7 +200,9 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
             timeout=timeout,
         )
     # A script that never calls shutdown() would otherwise destroy the group during interpreter
-    # finalization, which can abort the process; destroying it is local to this process.
+    # finalization, which can abort the process; destroying it is local to this process. Exit
+    # hooks run last-registered first: the group is destroyed, then gloo's threads drained.
+    register_exit_guard()
     atexit.register(_destroy_default_group)
 
 
