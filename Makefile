@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/accel launch --num_processes 2 examples/char_lm.py --out runs/demo
+	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo
 
 test: $(STAMP)
 	$(PYTEST) -q

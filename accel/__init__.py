@@ -5,7 +5,28 @@ from accel.accumulate import (
     num_items_in_batch,
     should_sync,
 )
-from accel.batch_size import find_executable_batch_size
+from accel.batch_size import (
+    find_executable_batch_size,
+)
+from accel.big_model import (
+    compute_module_sizes,
+    cpu_offload,
+    disk_offload,
+    dispatch_checkpoint,
+    infer_device_map,
+    init_empty_weights,
+    init_on_device,
+)
+from accel.checkpoint import (
+    CheckpointHandle,
+    PerRank,
+    latest_checkpoint,
+    load_checkpoint_in_model,
+    load_state,
+    save_checkpoint,
+    save_model,
+    save_state,
+)
 from accel.collectives import (
     broadcast,
     broadcast_object,
@@ -14,8 +35,14 @@ from accel.collectives import (
     pad_across_processes,
     reduce,
 )
-from accel.config import Config, default_config_path, load_config
-from accel.context import RunContext
+from accel.config import (
+    Config,
+    default_config_path,
+    load_config,
+)
+from accel.context import (
+    RunContext,
+)
 from accel.data import (
     ShardBatch,
     ShardedLoader,
@@ -33,7 +60,13 @@ from accel.distributed import (
     split_between_processes,
     wait_for_everyone,
 )
-from accel.logging import RankLogger, get_logger
+from accel.hooks import (
+    remove_hooks,
+)
+from accel.logging import (
+    RankLogger,
+    get_logger,
+)
 from accel.model import (
     DDPOptions,
     FSDPOptions,
@@ -49,7 +82,11 @@ from accel.precision import (
     optimizer_step,
     scaled_backward,
 )
-from accel.seeding import get_rng_state, set_rng_state, set_seed
+from accel.seeding import (
+    get_rng_state,
+    set_rng_state,
+    set_seed,
+)
 from accel.tracking import (
     JSONLTracker,
     TensorBoardTracker,
@@ -60,10 +97,12 @@ from accel.tracking import (
 )
 
 __all__ = [
+    "CheckpointHandle",
     "Config",
     "DDPOptions",
     "FSDPOptions",
     "JSONLTracker",
+    "PerRank",
     "RankLogger",
     "RunContext",
     "ShardBatch",
@@ -79,15 +118,25 @@ __all__ = [
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "compute_module_sizes",
+    "cpu_offload",
     "default_config_path",
+    "disk_offload",
+    "dispatch_checkpoint",
     "find_executable_batch_size",
     "gather",
     "gather_for_metrics",
     "gather_object",
     "get_logger",
     "get_rng_state",
+    "infer_device_map",
     "init_distributed",
+    "init_empty_weights",
+    "init_on_device",
+    "latest_checkpoint",
+    "load_checkpoint_in_model",
     "load_config",
+    "load_state",
     "log_hparams",
     "log_metrics",
     "main_process_first",
@@ -98,7 +147,11 @@ __all__ = [
     "pad_across_processes",
     "progress",
     "reduce",
+    "remove_hooks",
     "run_on_main",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
     "scaled_backward",
     "set_rng_state",
     "set_seed",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from accel.context import RunContext
@@ -20,10 +21,14 @@ def _mesh(ctx: RunContext) -> DeviceMesh:
 
     from accel.collectives import require_group
 
+    if ctx.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "wrap_model: strategy='fsdp2' needs a process group, and this single process has "
+            "none. With one process use strategy='none' (nothing to shard), or run under "
+            "accel.testing.run_world / accel launch, which create one."
+        )
     group = require_group(ctx, "wrap_model")
     if group is None:
-        import torch.distributed as dist
-
         group = dist.group.WORLD
     return DeviceMesh.from_group(group, ctx.device.type)
 

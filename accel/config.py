@@ -22,8 +22,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast, get_args
 
-import yaml
-
 from accel._typing import Precision
 
 __all__ = ["Config", "default_config_path", "load_config"]
@@ -247,6 +245,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             "or pass --config_file with an existing file."
         ) from None
     try:
+        import yaml  # imported on use: it costs ~10 ms, and `import accel` should not pay it
+
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)

@@ -41,6 +41,10 @@ def _sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
     """The sampler's indices for `epoch`, identical on every rank."""
     if type(sampler) is RandomSampler:
         # Same permutation on every rank from (seed, epoch): no RNG state to broadcast.
+        n = len(sampler.data_source)
+        if not sampler.replacement and sampler.num_samples == n:
+            # What RandomSampler yields with this generator, without its per-element generator.
+            return torch.randperm(n, generator=_epoch_generator(seed, epoch)).tolist()
         seeded = RandomSampler(
             sampler.data_source,
             replacement=sampler.replacement,
@@ -77,13 +81,15 @@ class ShardedLoader:
         self._ctx = ctx
         self.loader = loader
         self.plan = plan
-        self._device = ctx.device if device_placement else None
+        # Batches come out of the DataLoader on the CPU: moving them there again is a no-op.
+        self._device = ctx.device if device_placement and ctx.device.type != "cpu" else None
         self._non_blocking = non_blocking
         self._seed = seed
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch = 0
         self.position = 0  # batches yielded in this epoch
-        self._layout: Layout = ()
+        self._last_index = -1  # map-style: index of the last yielded batch in the epoch's plan
+        self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
 
     # -- the plan for an epoch ---------------------------------------------------------------
@@ -165,9 +171,7 @@ class ShardedLoader:
                 loader.dataset, batch_sampler=[list(b.indices) for b in mine[start:]], **common
             )
         for i, batch in enumerate(inner, start):
-            self._layout = tuple(
-                (len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table
-            )
+            self._last_index = i  # the layout is worked out only when someone asks for it
             yield batch
 
     def _chunk_size(self) -> int:
@@ -190,7 +194,7 @@ class ShardedLoader:
 
         def emit(chunk: list[Any], num_real: int) -> Any:
             layout = tuple(self.plan.for_rank(r).iterable_slice(chunk, num_real) for r in range(n))
-            self._layout = tuple((len(part), pad) for part, pad in layout)
+            self._chunk_layout = tuple((len(part), pad) for part, pad in layout)
             return collate(layout[self.plan.rank][0])
 
         for element in self.loader.dataset:  # type: ignore[attr-defined]
@@ -212,9 +216,20 @@ class ShardedLoader:
                 yield emit(chunk[:per_chunk], num_real)
 
     @property
+    def _layout(self) -> Layout:
+        """(size, padding) on every rank of the batch index this loader yielded last."""
+        if self._iterable:
+            return self._chunk_layout
+        if self._last_index < 0 or self._table is None:
+            return ()
+        i, table = self._last_index, self._table[1]
+        return tuple((len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table)
+
+    @property
     def padding(self) -> int:
         """How many samples at the end of the last yielded batch repeat earlier ones."""
-        return self._layout[self.plan.rank][1] if self._layout else 0
+        layout = self._layout
+        return layout[self.plan.rank][1] if layout else 0
 
     # -- checkpointing -----------------------------------------------------------------------
 

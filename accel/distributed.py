@@ -17,6 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
 from accel._launcher import LaunchEnv, parse_launch_env
@@ -175,16 +176,28 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
             )
         return
     if launch.launcher == "torchrun":
-        init_method = "env://"  # honours torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
+        # env:// honours torchrun's agent store. Workers restarted by the elastic agent
+        # (--max_restarts) reuse that store, where the previous attempt's gloo addresses are
+        # still written under the same keys; a prefix per attempt keeps them apart.
+        store, _, _ = next(
+            rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend,
+            store=PrefixStore(f"accel/attempt-{attempt}/", store),
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
     else:
-        init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timeout,
-    )
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
     # A script that never calls shutdown() would otherwise destroy the group during interpreter
     # finalization, which can abort the process; destroying it is local to this process.
     atexit.register(_destroy_default_group)

@@ -142,8 +142,11 @@ def test_sharded_loader_follows_the_plan(
     for r in range(n):
         ctx = RunContext(rank=r, world_size=n, seed=7)
         torch.manual_seed(r)  # a different global RNG per rank must not change the order
-        base = DataLoader(
-            list(range(length)), batch_size=size, shuffle=shuffle, drop_last=drop_last
+        base = DataLoader(  # torch refuses to shuffle an empty dataset
+            list(range(length)),
+            batch_size=size,
+            shuffle=shuffle and length > 0,
+            drop_last=drop_last,
         )
         loader = accel.shard_loader(ctx, base, even_batches=even)
         batches, layouts = _collect(ctx, loader)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,17 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Example -> (arguments for a short run, a line its output must contain).
 SMOKE = {
     "train_minimal.py": (["--steps", "20"], r"\[rank 0\] step 20 loss (\d+\.\d+)"),
+    "one_piece.py": (["--epochs", "1"], r"epoch 0 accuracy \d\.\d+ on 200 samples"),
+    "test_my_step.py": ([], r"\[rank 1\] parameters after 3 steps"),
+    "char_lm.py": (
+        ["--steps", "12", "--ckpt_every", "6", "--eval_every", "6", "--out", "run"],
+        r"step 12 train_loss \d+\.\d+ lr 0\.000000 val_loss \d+\.\d+",
+    ),
+    "fsdp2.py": (["--steps", "10", "--out", "run"], r"step 10 loss \d+\.\d+ grad_norm \d+\.\d+"),
+    "big_model_inference.py": (
+        ["--out", "run"],
+        r"\[rank 1\] prompts \[4, 5, 6, 7\]: outputs equal the fully loaded model",
+    ),
 }
 
 
@@ -44,3 +59,56 @@ def test_train_minimal_learns_in_one_process(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", run.stderr + run.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 4, losses
+
+
+def test_the_users_pytest_example_passes() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_step.py"],
+        capture_output=True, text=True, timeout=300, cwd=EXAMPLES,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout
+
+
+def _char_lm(tmp_path: Path, out: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "accel", "launch", "--num_processes", "2",
+        "--gradient_accumulation_steps", "2", str(EXAMPLES / "char_lm.py"), "--out", out,
+        "--steps", "40", "--ckpt_every", "10", "--eval_every", "20", *extra,
+    ]  # fmt: skip
+
+
+def _last_metrics(folder: Path) -> dict[str, float]:
+    return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_char_lm_killed_mid_run_and_resumed_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
+    done = subprocess.run(
+        _char_lm(tmp_path, "straight"), cwd=tmp_path, env=env, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    # The same run, killed (SIGKILL, the whole process group) once its first checkpoint exists.
+    victim = subprocess.Popen(
+        _char_lm(tmp_path, "killed"), cwd=tmp_path, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "killed" / "checkpoints" / "step-10").exists():
+        assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    steps_before = len((tmp_path / "killed" / "metrics.jsonl").read_text().splitlines())
+    assert steps_before < 40, "the run finished before it was killed"
+    resumed = subprocess.run(
+        _char_lm(tmp_path, "killed", "--resume"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    final, reference = _last_metrics(tmp_path / "killed"), _last_metrics(tmp_path / "straight")
+    assert final["step"] == 40
+    assert final == reference  # bit-identical losses, learning rate and validation loss

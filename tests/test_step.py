@@ -191,3 +191,8 @@ def test_num_items_in_batch_counts_real_labels() -> None:
     assert accel.num_items_in_batch(ctx, []) == 0
     with pytest.raises(TypeError, match="batch of type str has no labels"):
         accel.num_items_in_batch(ctx, ["x"])
+
+
+def test_fsdp2_without_a_process_group_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="strategy='fsdp2' needs a process group"):
+        accel.wrap_model(RunContext.single(), _model(), strategy="fsdp2")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch.nn.parallel import DistributedDataParallel
 
 import accel
 
@@ -26,14 +26,17 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_ddp_step(ctx: accel.RunContext) -> torch.nn.Module:
+    # One fp32 step without accumulation, whatever the configuration says, to compare exactly.
+    ctx = dataclasses.replace(ctx, grad_accum_steps=1, precision="fp32")
     torch.manual_seed(0)
     reference = torch.nn.Linear(4, 1)
     model = torch.nn.Linear(4, 1)
     model.load_state_dict(reference.state_dict())
-    wrapped = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    wrapped = accel.wrap_model(ctx, model)  # DDP when there are several processes
     x, y = _data(ctx.rank)
-    torch.nn.functional.mse_loss(wrapped(x), y).backward()  # type: ignore[no-untyped-call]
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with accel.accumulate(ctx, wrapped, 0, is_last=True):
+        accel.scaled_backward(ctx, torch.nn.functional.mse_loss(wrapped(x), y))
+    accel.optimizer_step(ctx, torch.optim.SGD(wrapped.parameters(), lr=0.1))
     # The same step on the full batch of every rank, computed here without communication.
     xs, ys = zip(*(_data(r) for r in range(ctx.world_size)), strict=True)
     loss = torch.nn.functional.mse_loss(reference(torch.cat(xs)), torch.cat(ys))
@@ -45,17 +48,21 @@ def check_ddp_step(ctx: accel.RunContext) -> torch.nn.Module:
 
 
 def check_checkpoint(ctx: accel.RunContext, model: torch.nn.Module) -> None:
+    """save_state then load_state into a fresh model: every tensor comes back equal."""
     folder = accel.broadcast_object(
         ctx, tempfile.mkdtemp(prefix="accel-test-") if ctx.is_main else ""
     )
-    path = Path(folder) / "model.safetensors"
+    path = Path(folder) / "state"
+    accel.save_state(ctx, path, model=model)
+    fresh = torch.nn.Linear(4, 1)
+    accel.load_state(ctx, path, model=fresh)
+    for (name, value), restored in zip(
+        model.state_dict().items(), fresh.state_dict().values(), strict=True
+    ):
+        assert torch.equal(restored, value), f"checkpoint round trip changed {name}"
+    accel.wait_for_everyone(ctx)
     if ctx.is_main:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    accel.wait_for_everyone(ctx)
-    loaded = load_file(str(path))
-    for name, value in model.state_dict().items():
-        assert torch.equal(loaded[name], value), f"checkpoint round trip changed {name}"
-    accel.wait_for_everyone(ctx)
+        shutil.rmtree(folder)
 
 
 def main() -> None:

@@ -1,0 +1,302 @@
+"""The effectful half of dispatch_checkpoint: where each tensor of a model is held, reading the
+checkpoint shard by shard into place, and hooking offloaded units."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from accel import _device_map as dm
+from accel._checkpoint_files import resolve_checkpoint
+from accel._device_map import Device
+from accel._offload import (
+    ST_DTYPES,
+    DiskTensor,
+    HeaderEntry,
+    read_header,
+    write_index,
+    write_tensor,
+)
+from accel.hooks import ATTR, Slot, attach, attach_input_move
+
+
+def check_unhooked(fn: str, model: nn.Module) -> None:
+    """Refuse a model that already carries offload hooks (they would stack)."""
+    if any(hasattr(m, ATTR) for m in model.modules()):
+        raise RuntimeError(
+            f"{fn}: the model already has accel offload hooks (from dispatch_checkpoint, "
+            "cpu_offload or disk_offload). Call accel.remove_hooks(model) first."
+        )
+
+
+class Layout:
+    """Where each tensor of a model is held: every name, its owner, tied aliases."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.owner: dict[str, tuple[nn.Module, str, bool]] = {}
+        self.canonical: dict[str, str] = {}
+        self.persistent: set[str] = set()
+        self.groups: dict[str, list[str]] = {}  # canonical name -> every name of that tensor
+        first: dict[int, str] = {}
+        self.modules = list(model.named_modules())
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            items = [(n, t, True) for n, t in module._parameters.items()]
+            items += [(n, t, False) for n, t in module._buffers.items()]
+            for attr, t, is_param in items:
+                if t is None:
+                    continue
+                name = dot + attr
+                self.tensors[name] = t
+                self.owner[name] = (module, attr, is_param)
+                self.canonical[name] = first.setdefault(id(t), name)
+                self.groups.setdefault(self.canonical[name], []).append(name)
+                if is_param or attr not in module._non_persistent_buffers_set:
+                    self.persistent.add(name)
+
+    def canonical_names(self) -> list[str]:
+        return list(self.groups)
+
+    def aliases(self, canonical: str) -> list[str]:
+        return self.groups[canonical]
+
+    def place(self, fn: str, device_map: Mapping[str, Device]) -> dict[str, Device]:
+        """Device of every canonical tensor under `device_map` (longest matching prefix)."""
+        for key, device in device_map.items():
+            if not (isinstance(device, int) and device >= 0) and device not in dm.OFFLOAD:
+                raise ValueError(
+                    f"{fn}: device_map[{key!r}]={device!r}; devices are accelerator indices "
+                    '(0, 1, ...), "cpu" or "disk".'
+                )
+        modules = {name for name, _ in self.modules}
+        unknown = [k for k in device_map if k not in modules and k not in self.tensors]
+        if unknown:
+            raise ValueError(
+                f"{fn}: device_map names {unknown}, which are neither modules nor tensors of the "
+                "model. Use names from model.named_modules() or model.named_parameters()."
+            )
+        placement: dict[str, Device] = {}
+        for name in self.tensors:
+            try:
+                key, canonical = _unit_of(name, device_map), self.canonical[name]
+            except StopIteration:
+                raise ValueError(
+                    f"{fn}: device_map has no entry for {name!r} (or any module above it). "
+                    "Map every module, or use device_map='auto'."
+                ) from None
+            if placement.setdefault(canonical, device_map[key]) != device_map[key]:
+                raise ValueError(
+                    f"{fn}: {name!r} is tied to {canonical!r} but device_map puts them on "
+                    f"{device_map[key]!r} and {placement[canonical]!r}; tied weights must share "
+                    "a device."
+                )
+        return placement
+
+
+def checkpoint_entries(
+    fn: str, checkpoint: str | os.PathLike[str]
+) -> dict[str, tuple[Path, HeaderEntry]]:
+    files = resolve_checkpoint(fn, checkpoint)
+    entries: dict[str, tuple[Path, HeaderEntry]] = {}
+    for file in files.files:
+        for key, entry in read_header(file).items():
+            if files.weight_map is None or files.weight_map.get(key) == file:
+                entries[key] = (file, entry)
+    return entries
+
+
+def check_keys(
+    fn: str, layout: Layout, entries: Mapping[str, tuple[Path, HeaderEntry]], strict: bool
+) -> None:
+    unexpected = sorted(k for k in entries if k not in layout.tensors)
+    missing: list[str] = []
+    for canonical in layout.canonical_names():
+        names = layout.aliases(canonical)
+        if any(n in entries for n in names):
+            continue
+        meta = layout.tensors[canonical].is_meta
+        if meta or (strict and any(n in layout.persistent for n in names)):
+            missing.append(canonical)
+    if missing or (strict and unexpected):
+        raise ValueError(
+            f"{fn}: the checkpoint does not match the model: missing keys {missing}, unexpected "
+            f"keys {unexpected if strict else []}. Load the checkpoint of this model, or pass "
+            "strict=False to ignore unexpected keys and keep non-meta tensors not in the file."
+        )
+    for key, (file, entry) in entries.items():
+        if key in layout.tensors and entry.shape != tuple(layout.tensors[key].shape):
+            raise ValueError(
+                f"{fn}: shape mismatch for {key!r}: the checkpoint {file.name} has "
+                f"{list(entry.shape)} but the model has {list(layout.tensors[key].shape)}. "
+                "Build the model with the configuration the checkpoint was saved from."
+            )
+        if key in layout.tensors and entry.dtype not in ST_DTYPES:
+            raise NotImplementedError(f"{fn}: {key!r} has unsupported dtype {entry.dtype}.")
+
+
+def load(
+    fn: str,
+    layout: Layout,
+    entries: Mapping[str, tuple[Path, HeaderEntry]],
+    placement: Mapping[str, Device],
+    execution: torch.device,
+    folder: Path | None,
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor | DiskTensor]:
+    """Read each shard once, putting resident tensors in place; return offloaded sources."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    done: set[str] = set()
+    for key, (file, _) in entries.items():
+        canonical = layout.canonical.get(key)
+        if canonical is not None and canonical not in done:
+            done.add(canonical)
+            by_file.setdefault(file, []).append((key, canonical))
+    sources: dict[str, torch.Tensor | DiskTensor] = {}
+    written: dict[str, DiskTensor] = {}
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key, canonical in keys:
+                device = placement[canonical]
+                entry = entries[key][1]
+                target = ST_DTYPES[entry.dtype][0]
+                if dtype is not None and target.is_floating_point:
+                    target = dtype
+                if device == "disk" and target == ST_DTYPES[entry.dtype][0]:
+                    where = (str(file), entry.offset, entry.shape, entry.dtype)
+                    sources[canonical] = DiskTensor(*where)
+                    continue
+                tensor = f.get_tensor(key).to(target)
+                if device == "disk":
+                    if folder is None:
+                        raise ValueError(
+                            f"{fn}: {key!r} goes to disk as {target} (the file holds "
+                            f"{entry.dtype}), which needs a copy; pass offload_dir=<folder>."
+                        )
+                    sources[canonical] = written[canonical] = write_tensor(folder, key, tensor)
+                elif device == "cpu" and execution.type != "cpu":
+                    sources[canonical] = tensor
+                else:
+                    _put(layout, canonical, tensor.to(_torch_device(device)))
+    for canonical, device in placement.items():
+        if canonical in done:
+            continue
+        tensor = layout.tensors[canonical]  # not in the checkpoint: a real non-persistent tensor
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if device in dm.OFFLOAD and (device == "disk" or execution.type != "cpu"):
+            sources[canonical] = tensor
+        else:
+            _put(layout, canonical, tensor.to(_torch_device(device)))
+    if written:
+        assert folder is not None
+        write_index(folder, written)
+    return sources
+
+
+def _put(layout: Layout, canonical: str, tensor: torch.Tensor) -> None:
+    """Set `tensor` under every name of the tied group `canonical` (one shared Parameter)."""
+    is_param = layout.owner[canonical][2]
+    old = layout.tensors[canonical]
+    value = nn.Parameter(tensor, old.requires_grad) if is_param else tensor
+    for name in layout.aliases(canonical):
+        module, attr, is_param = layout.owner[name]
+        if is_param:
+            module._parameters[attr] = value  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = value
+
+
+def hook(
+    model: nn.Module,
+    layout: Layout,
+    device_map: Mapping[str, Device],
+    sources: Mapping[str, torch.Tensor | DiskTensor],
+    execution: torch.device,
+) -> None:
+    """Offload hooks on each unit whose tensors have sources; input moves on other GPUs."""
+    modules = dict(model.named_modules())
+    offloaded = [n for n in layout.tensors if layout.canonical[n] in sources]
+    by_unit: dict[str, list[Slot]] = {}
+    for slot, name in zip(_slots(layout, offloaded, sources), offloaded, strict=True):
+        by_unit.setdefault(_unit_of(name, device_map), []).append(slot)
+    for unit, device in device_map.items():
+        hooked = modules[unit] if unit in modules else layout.owner[unit][0]
+        if unit in by_unit:
+            attach(hooked, by_unit[unit], execution)
+        elif isinstance(device, int) and _torch_device(device) != execution:
+            attach_input_move(hooked, _torch_device(device))
+
+
+def _unit_of(name: str, device_map: Mapping[str, Device]) -> str:
+    """The longest key of `device_map` that is `name` or a module above it ("" matches all)."""
+    parts = name.split(".")
+    keys = (".".join(parts[:i]) for i in range(len(parts), -1, -1))
+    return next(k for k in keys if k in device_map)
+
+
+def hook_each_module(
+    model: nn.Module,
+    layout: Layout,
+    sources: Mapping[str, torch.Tensor | DiskTensor],
+    device: torch.device,
+) -> None:
+    by_module: dict[int, tuple[nn.Module, list[Slot]]] = {}
+    for slot in _slots(layout, list(layout.owner), sources):  # one pass: ties share placeholders
+        by_module.setdefault(id(slot.module), (slot.module, []))[1].append(slot)
+    for module, slots in by_module.values():
+        attach(module, slots, device)
+
+
+def _slots(
+    layout: Layout, names: Iterable[str], sources: Mapping[str, torch.Tensor | DiskTensor]
+) -> list[Slot]:
+    """Slots for `names`; tied names share their source and their placeholder Parameter."""
+    slots: list[Slot] = []
+    placeholders: dict[str, torch.Tensor] = {}
+    for name in names:
+        canonical = layout.canonical[name]
+        module, attr, is_param = layout.owner[name]
+        old = layout.tensors[name]
+        source = sources[canonical]
+        placeholder = placeholders.get(canonical)
+        if placeholder is None:
+            if isinstance(source, DiskTensor):
+                dtype = ST_DTYPES[source.dtype][0]
+                placeholder = torch.empty(source.shape, dtype=dtype, device="meta")
+            else:
+                placeholder = source
+            if is_param:
+                placeholder = nn.Parameter(placeholder, old.requires_grad)
+            placeholders[canonical] = placeholder
+        slots.append(Slot(module, attr, is_param, source, placeholder, old.requires_grad))
+    return slots
+
+
+def execution_device(device_map: Mapping[str, Device]) -> torch.device:
+    accelerators = [d for d in device_map.values() if isinstance(d, int)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = sorted({d for d in accelerators if d >= count})
+    if missing:
+        raise ValueError(
+            f"dispatch_checkpoint: the device map puts modules on accelerators {missing} but "
+            f"this machine has {count} CUDA device(s). Plan with the budgets of this machine "
+            '(max_memory=None), or map those modules to "cpu" or "disk".'
+        )
+    return _torch_device(min(accelerators)) if accelerators else torch.device("cpu")
+
+
+def _torch_device(device: Device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device("cpu")
+
+
+def device_arg(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)

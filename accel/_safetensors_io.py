@@ -1,0 +1,224 @@
+"""Read and write safetensors files straight from tensor memory, with a CRC32 of every byte.
+
+The format (https://github.com/huggingface/safetensors#format): 8 bytes little-endian header
+length, a JSON header (padded with spaces to a multiple of 8), then the raw tensor bytes in
+header order. Writing it here, rather than through `safetensors.torch.save_file`, lets each
+tensor's bytes go to the file without an intermediate copy, lets the checksum run in a second
+thread while the write runs (`zlib.crc32` and `file.write` both release the GIL on large
+buffers), and lets the reader check the checksum on the bytes it reads anyway. Files written
+here are ordinary safetensors files: `safetensors.torch.load_file` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+# Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
+# cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
+CHUNK = 8 << 20
+
+DTYPES = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }
+)
+NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
+
+
+class CorruptFileError(ValueError):
+    """A checkpoint file whose size, checksum or header does not match what was written."""
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in NAMES:
+            raise TypeError(f"safetensors cannot store {name!r} of dtype {t.dtype}.")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
+    for v in views:
+        for start in range(0, len(v), CHUNK):
+            yield v[start : start + CHUNK]
+
+
+def write_file(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> tuple[int, int]:
+    """Write `tensors` (CPU) to `path` and, unless told not to, fsync; return (size, crc32)."""
+    views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
+    return write_views(path, views, fsync=fsync)
+
+
+class _Checksum:
+    """A running crc32 computed in a helper thread, in submission order.
+
+    A plain thread and queue rather than concurrent.futures, whose pools refuse work once the
+    interpreter begins shutting down, which is when a background save may still be running.
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="accel-crc32", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self.value = zlib.crc32(chunk, self.value)
+
+    def add(self, chunk: memoryview) -> None:
+        self._queue.put(chunk)
+
+    def result(self) -> int:
+        self._queue.put(None)
+        self._thread.join()
+        return self.value
+
+
+def write_views(path: Path, views: list[memoryview], *, fsync: bool = True) -> tuple[int, int]:
+    """Write the buffers in order, checksumming in a second thread; fsync."""
+    crc = _Checksum()
+    size = 0
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for chunk in _chunks(views):
+                crc.add(chunk)  # overlapped with the write of the same chunk
+                f.write(chunk)
+                size += len(chunk)
+            if fsync:
+                os.fsync(f.fileno())
+    finally:
+        value = crc.result()
+    return size, value
+
+
+def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Map a safetensors file; check size and crc32 when `expected` is given; return tensors.
+
+    The file is mapped copy-on-write (as `safetensors.torch.load_file` does): the checksum pass
+    reads the pages straight from the page cache, the tensors view the mapping without a copy,
+    and writing to them (an optimizer updating its loaded state) never touches the file.
+    """
+    size = path.stat().st_size
+    if expected is not None and size != expected[0]:
+        raise CorruptFileError(
+            f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {expected[0]}; "
+            "the file is truncated or was replaced. Load an earlier checkpoint."
+        )
+    if size == 0:
+        return parse(fn, path, torch.empty(0, dtype=torch.uint8))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if expected is not None:
+        crc = 0
+        view = memoryview(mapped)
+        for start in range(0, size, CHUNK):
+            crc = zlib.crc32(view[start : start + CHUNK], crc)
+        view.release()
+        if crc != expected[1]:
+            raise CorruptFileError(
+                f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
+                f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+            )
+    return parse(fn, path, torch.frombuffer(mapped, dtype=torch.uint8))
+
+
+def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Split a whole safetensors file held in `buf` (uint8) into tensors viewing it."""
+
+    def bad(why: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{fn}: {str(path)!r} is not a valid safetensors file ({why}); it is truncated or "
+            "corrupt. Save it again or load an earlier checkpoint."
+        )
+
+    total = buf.numel()
+    if total < 8:
+        raise bad(f"{total} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
+    if n > total - 8:
+        raise bad(f"header of {n} bytes in a file of {total}")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n].numpy()))
+        if not isinstance(header, dict):
+            raise TypeError
+    except (ValueError, TypeError):
+        raise bad("header is not a JSON object") from None
+    data = buf[8 + n :]
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r} is malformed") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data.numel() or end - begin != count * itemsize:
+            raise bad(f"tensor {name!r} lies outside the data or has the wrong size")
+        raw = data[begin:end]
+        if (8 + n + begin) % itemsize:  # misaligned in the file: copy to an aligned buffer
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (empty when it has none)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()}

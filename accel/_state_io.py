@@ -1,0 +1,284 @@
+"""The machinery of save_state / load_state: classify objects, snapshot, write, publish, read.
+
+Layout of a state directory (every rank sees the same filesystem, as with torch DCP):
+
+    accel-manifest.json          written last: files, sizes, crc32, versions, world size
+    <name>.json                  the object's state structure and numbers (tagged JSON)
+    <name>.safetensors           the object's tensors
+    <name>/rank<r>.{json,safetensors}   a PerRank object, one pair per rank
+    rng/rank<r>.{json,safetensors}      each rank's Python, NumPy, torch and CUDA RNG states
+    dcp/                         FSDP2 models and optimizers, sharded by torch DCP
+
+Ranks coordinate the publish through marker files in the staging directory, not collectives,
+so the write can run in a background thread while training runs its own collectives.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel import _atomic, _dcp
+from accel._model_io import check_against_model, dedupe_tied
+from accel._safetensors_io import read_file, write_file
+from accel._state_codec import decode, encode
+from accel.context import RunContext
+from accel.model import unwrap_model
+
+RNG = "rng"
+Files = dict[str, tuple[dict[str, torch.Tensor], bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to do with each object passed to save_state / load_state."""
+
+    kinds: tuple[tuple[str, str], ...]
+    """(name, kind) for objects stored as files: module, generator, stateful, per_rank."""
+    dcp_models: tuple[tuple[str, nn.Module], ...]
+    dcp_optimizers: tuple[tuple[str, torch.optim.Optimizer, str], ...]
+    """(name, optimizer, name of its model)."""
+
+
+def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None = None) -> Plan:
+    """Sort the objects; raise TypeError naming one that cannot be saved.
+
+    Models go through DCP when sharded (saving) or when saved that way (`dcp_names`, loading).
+    """
+    from accel.checkpoint import PerRank
+
+    kinds: list[tuple[str, str]] = []
+    dcp_models: dict[str, nn.Module] = {}
+    optimizers: list[tuple[str, torch.optim.Optimizer]] = []
+    for name, obj in objects.items():
+        if name == RNG:
+            raise ValueError(f"{fn}: the name {name!r} is reserved for the RNG states; rename it.")
+        target = obj.obj if isinstance(obj, PerRank) else obj
+        if not isinstance(target, torch.Generator) and not (
+            hasattr(target, "state_dict") and hasattr(target, "load_state_dict")
+        ):
+            raise TypeError(
+                f"{fn}: {name}={type(target).__name__} has no state_dict()/load_state_dict(); "
+                "pass models, optimizers, schedulers, scalers, loaders, torch.Generator or any "
+                "object with both methods."
+            )
+        if isinstance(obj, PerRank):
+            kinds.append((name, "per_rank"))
+        elif isinstance(obj, nn.Module) and (
+            name in dcp_names
+            if dcp_names is not None
+            else _dcp.is_sharded(unwrap_model(obj).state_dict().values())
+        ):
+            dcp_models[name] = unwrap_model(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optimizers.append((name, obj))
+        else:
+            kinds.append((name, _kind(obj)))
+    dcp_optimizers = []
+    for name, opt in optimizers:
+        owner = _dcp.owner_model(opt, dcp_models)
+        if owner is None:
+            kinds.append((name, "stateful"))
+        else:
+            dcp_optimizers.append((name, opt, owner))
+    return Plan(tuple(kinds), tuple(dcp_models.items()), tuple(dcp_optimizers))
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, nn.Module):
+        return "module"
+    if isinstance(obj, torch.Generator):
+        return "generator"
+    return "stateful"
+
+
+def _state_of(kind: str, obj: Any) -> tuple[Any, dict[str, str]]:
+    """(state tree, alias map) of one object."""
+    if kind == "module":
+        tensors, aliases = dedupe_tied(unwrap_model(obj).state_dict())
+        return tensors, aliases
+    if kind == "generator":
+        return {"state": obj.get_state()}, {}
+    return obj.state_dict(), {}
+
+
+def _pack(
+    fn: str, name: str, state: Any, extra: dict[str, Any], copy: bool
+) -> tuple[dict[str, torch.Tensor], bytes]:
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = encode(fn, state, name, tensors)
+    if copy:  # blocking=False: training may change the originals while the write runs
+        tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+    else:
+        tensors = {k: v.cpu() for k, v in tensors.items()}
+    return tensors, json.dumps({"state": skeleton, **extra}).encode()
+
+
+def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy: bool) -> Files:
+    """The files this rank writes: relative stem -> (tensors, JSON bytes)."""
+    from accel.seeding import get_rng_state
+
+    files: Files = {}
+    for name, kind in plan.kinds:
+        if kind == "per_rank":
+            obj = objects[name].obj
+            state, _ = _state_of(_kind(obj), obj)
+            files[f"{name}/rank{ctx.rank}"] = _pack(fn, name, state, {"kind": _kind(obj)}, copy)
+        elif ctx.is_main:
+            state, aliases = _state_of(kind, objects[name])
+            files[name] = _pack(fn, name, state, {"kind": kind, "aliases": aliases}, copy)
+    files[f"{RNG}/rank{ctx.rank}"] = _pack(fn, RNG, get_rng_state(), {"kind": RNG}, copy)
+    return files
+
+
+def write_rank_files(staging: Path, rank: int, files: Files) -> None:
+    """Write, fsync, and leave a marker listing (size, crc32) of each file written."""
+    entries: dict[str, list[int]] = {}
+    written = []
+    for stem, (tensors, skeleton) in files.items():
+        (staging / stem).parent.mkdir(parents=True, exist_ok=True)
+        path = staging / f"{stem}.safetensors"
+        # fsync after all writes, as a hand-written save would: the kernel writes the first
+        # files back while the later ones are still being written.
+        entries[f"{stem}.safetensors"] = list(write_file(path, tensors, fsync=False))
+        entries[f"{stem}.json"] = list(
+            _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
+        )
+        written += [path, staging / f"{stem}.json"]
+    for path in written:
+        _atomic.fsync_file(path)
+    marker = staging / f".rank{rank}.done"
+    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
+    # manifest rank 0 writes from it is what must be durable.
+    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
+    marker.with_suffix(".tmp").rename(marker)
+
+
+def finish(
+    staging: Path, final: Path, world_size: int, info: dict[str, Any], timeout_s: float
+) -> None:
+    """Rank 0: wait for every rank's marker, then write the manifest and publish."""
+    markers = [staging / f".rank{r}.done" for r in range(world_size)]
+    _atomic.wait_for_files(markers, timeout_s)
+    entries: dict[str, list[int]] = {}
+    for marker in markers:
+        entries.update(json.loads(marker.read_text()))
+        marker.unlink()
+    dcp_dir = staging / _dcp.DCP_DIR
+    if dcp_dir.is_dir():
+        for path in sorted(dcp_dir.rglob("*")):
+            if path.is_file():
+                entries[path.relative_to(staging).as_posix()] = list(_atomic.checksum_file(path))
+    _atomic.publish(staging, final, entries, {"world_size": world_size, **info})
+
+
+def _read(
+    fn: str, directory: Path, manifest: dict[str, Any], stem: str
+) -> tuple[Any, dict[str, Any]]:
+    json_rel, st_rel = f"{stem}.json", f"{stem}.safetensors"
+    for rel in (json_rel, st_rel):
+        if _atomic.expected(manifest, rel) is None:
+            raise ValueError(
+                f"{fn}: {str(directory)!r} holds no {rel!r} (saved objects: "
+                f"{sorted(manifest.get('objects', {}))}); pass the names used at save time."
+            )
+    raw = (directory / json_rel).read_bytes()
+    expect = _atomic.expected(manifest, json_rel)
+    import zlib
+
+    if expect is not None and (len(raw), zlib.crc32(raw)) != expect:
+        raise ValueError(
+            f"{fn}: {str(directory / json_rel)!r} fails its size/checksum check; the file is "
+            "corrupt. Load an earlier checkpoint."
+        )
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{fn}: {str(directory / json_rel)!r} is not JSON.") from None
+    tensors = read_file(fn, directory / st_rel, _atomic.expected(manifest, st_rel))
+    return decode(fn, doc["state"], tensors), doc
+
+
+def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> None:
+    if kind == "module":
+        inner = unwrap_model(obj)
+        full = check_against_model(fn, inner, state, strict=True)
+        if _dcp.is_sharded(inner.state_dict().values()):  # saved unsharded, loading into FSDP2
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(
+                inner, dict[str, Any](full), options=StateDictOptions(full_state_dict=True)
+            )
+        else:
+            inner.load_state_dict(full)
+    elif kind == "generator":
+        obj.set_state(state["state"].clone())  # torch reads a view's storage from offset 0
+    else:
+        obj.load_state_dict(state)
+
+
+def load(
+    fn: str, ctx: RunContext, directory: Path, objects: dict[str, Any], group: Any
+) -> dict[str, Any]:
+    """Verify and load every object; returns the manifest."""
+    manifest = _atomic.read_manifest(fn, directory)
+    plan = classify(fn, objects, frozenset(manifest.get("dcp", ())))
+    for name, kind in plan.kinds:
+        if kind == "per_rank":
+            obj = objects[name].obj
+            state, doc = _read(fn, directory, manifest, f"{name}/rank{ctx.rank}")
+            _apply(fn, _kind(obj), obj, state, doc)
+        else:
+            state, doc = _read(fn, directory, manifest, name)
+            _apply(fn, kind, objects[name], state, doc)
+    if plan.dcp_models:
+        _verify_dcp(fn, directory, manifest)
+        models = dict(plan.dcp_models)
+        _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
+    _restore_rng(fn, ctx, directory, manifest)
+    return manifest
+
+
+def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
+    for rel, (size, crc) in manifest["files"].items():
+        if rel.startswith(f"{_dcp.DCP_DIR}/"):
+            path = directory / rel
+            if not path.is_file() or _atomic.checksum_file(path) != (size, crc):
+                raise ValueError(
+                    f"{fn}: {str(path)!r} is missing or fails its checksum; the checkpoint is "
+                    "corrupt. Load an earlier checkpoint."
+                )
+
+
+def _restore_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> None:
+    from accel.seeding import set_rng_state
+
+    stem = f"{RNG}/rank{ctx.rank}"
+    if _atomic.expected(manifest, f"{stem}.json") is None:
+        import warnings
+
+        warnings.warn(
+            f"{fn}: {str(directory)!r} was saved by {manifest.get('world_size')} ranks and has "
+            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state.",
+            stacklevel=3,
+        )
+        return
+    state, _ = _read(fn, directory, manifest, stem)
+    # torch.set_rng_state reads a view's storage from offset 0: give it tensors of their own.
+    set_rng_state(_own_memory(state))
+
+
+def _own_memory(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _own_memory(v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,295 @@
+"""Big models: build empty, plan a device map, stream a checkpoint in, offload the rest.
+
+A model larger than any one device is built on the meta device (`init_empty_weights`), planned
+(`infer_device_map`, pure: any `max_memory` works without those devices present), and loaded
+shard by shard (`dispatch_checkpoint`). Modules mapped to "cpu" or "disk" run through hooks
+(accel.hooks) that bring their weights to the execution device only for their forward.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from torch import nn
+
+from accel import _device_map as dm
+from accel._device_map import Device
+from accel._offload import DiskTensor, check_writable, write_index, write_tensor
+
+__all__ = [
+    "compute_module_sizes",
+    "cpu_offload",
+    "disk_offload",
+    "dispatch_checkpoint",
+    "infer_device_map",
+    "init_empty_weights",
+    "init_on_device",
+]
+
+
+@contextmanager
+def init_on_device(device: torch.device | str, *, include_buffers: bool = False) -> Iterator[None]:
+    """Create every parameter (and buffer, if asked) built inside the block on `device`.
+
+    On "meta" nothing is allocated: shapes and dtypes only. Buffers stay on the CPU by default
+    because many are computed at build time (rotary tables) and are not in checkpoints.
+    The block patches `nn.Module.register_parameter` (and `register_buffer`) for its duration;
+    build models in it from one thread at a time.
+
+    Example:
+        >>> import torch, accel
+        >>> with accel.init_on_device("meta"):
+        ...     layer = torch.nn.Linear(4, 4)
+        >>> layer.weight.device
+        device(type='meta')
+    """
+    device = torch.device(device)
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(self, name, param)
+        p = self._parameters[name]
+        if p is not None and p.device != device:  # already there: keep it (and its ties)
+            self._parameters[name] = nn.Parameter(p.to(device), p.requires_grad)
+
+    def buffer(
+        self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        register_buffer(self, name, tensor, persistent)
+        if tensor is not None and tensor.device != device:
+            self._buffers[name] = tensor.to(device)
+
+    nn.Module.register_parameter = parameter  # type: ignore[method-assign]
+    if include_buffers:
+        nn.Module.register_buffer = buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+
+
+@contextmanager
+def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+    """Build a model with no memory: parameters created inside the block live on "meta".
+
+    Fill it afterwards with `dispatch_checkpoint` (or `load_state_dict(..., assign=True)`).
+
+    Example:
+        >>> import torch, accel
+        >>> with accel.init_empty_weights():
+        ...     model = torch.nn.Sequential(*[torch.nn.Linear(10_000, 10_000) for _ in range(100)])
+        >>> sum(p.numel() for p in model.parameters())
+        10001000000
+    """
+    with init_on_device("meta", include_buffers=include_buffers):
+        yield
+
+
+def compute_module_sizes(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Return the bytes of parameters and buffers under each module name ("" is the model).
+
+    A tied tensor counts once (at its first name); with `dtype`, floating-point tensors are
+    counted at that dtype's size (integer buffers keep theirs). Works on meta models.
+
+    Example:
+        >>> import torch, accel
+        >>> accel.compute_module_sizes(torch.nn.Linear(4, 2), dtype=torch.float16)
+        {'': 20}
+    """
+    return dm.module_sizes(model, dtype)
+
+
+def infer_device_map(
+    model: nn.Module,
+    *,
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split: Iterable[str | type] = (),
+    dtype: torch.dtype | None = None,
+) -> dict[str, Device]:
+    """Plan where each module lives: greedy in module order over accelerators, "cpu", "disk".
+
+    Modules fill accelerator 0, 1, ..., then "cpu", then "disk" (only the devices named in
+    `max_memory`). A module that does not fit is split into its children, unless its class is in
+    `no_split`. When later modules are offloaded, room for the largest of them is kept on the
+    first device, which runs them. Tied tensors stay on one device. Pure: nothing is allocated.
+
+    Args:
+        model: the model (usually built under `init_empty_weights`).
+        max_memory: bytes per device, e.g. `{0: "10GiB", "cpu": 2**34, "disk": 10**12}`.
+            Default: the free memory of each CUDA device and 90% of available RAM.
+        no_split: classes (or class names) never split across devices (residual blocks).
+        dtype: size floating-point tensors as this dtype (the dtype you will load in).
+
+    Returns:
+        Module or tensor name -> device (an accelerator index, "cpu" or "disk"), in module order.
+
+    Raises:
+        ValueError: a bad `max_memory`, or budgets too small for the model.
+
+    Example:
+        >>> import torch, accel
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])  # 80 B each
+        >>> accel.infer_device_map(model, max_memory={0: 250, "cpu": 1000})
+        {'0': 0, '1': 0, '2': 'cpu', '3': 'cpu'}
+    """
+    budgets = dm.budgets("infer_device_map", max_memory)
+    names = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
+    root = dm.build_units(model, names, dtype)
+    return dm.plan(root, budgets)
+
+
+def dispatch_checkpoint(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    device_map: Literal["auto"] | Mapping[str, Device] = "auto",
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split: Iterable[str | type] = (),
+    offload_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+) -> nn.Module:
+    """Load a safetensors checkpoint into an empty model shard by shard, placing each module.
+
+    Each shard is opened once and its tensors go straight into place (no full state dict).
+    Modules on "cpu" (when an accelerator runs the model) or "disk" get hooks that bring their
+    weights to the execution device for their forward. Disk weights are mapped in place from
+    the safetensors file when possible, else written to `offload_dir` as numpy memmaps.
+    CPU weights in the file's dtype stay memory-mapped from the shards (as safetensors returns
+    them), so do not overwrite the checkpoint in place while the model is in use.
+
+    Args:
+        model: a model built under `init_empty_weights` (or a real one, overwritten).
+        checkpoint: a .safetensors file, a sharded index .json, or a folder holding either.
+        device_map: "auto" (plan with `infer_device_map`) or module/tensor name -> device.
+        max_memory: budgets for "auto"; with `offload_dir` and no "disk" entry, disk is
+            unlimited.
+        no_split: classes (or names) never split across devices.
+        offload_dir: folder for disk-offloaded weights that must be rewritten (dtype change).
+        dtype: cast floating-point weights to this dtype while loading.
+        strict: refuse checkpoints with missing or unexpected keys (missing keys that would
+            leave a meta tensor are refused either way).
+
+    Returns:
+        The same model, loaded and dispatched. Use `remove_hooks` to drop the hooks.
+
+    Raises:
+        ValueError: missing/unexpected keys, a shape mismatch, a device map that misses a
+            tensor or splits tied weights, an unwritable `offload_dir`, budgets too small.
+        FileNotFoundError: the checkpoint or a shard does not exist.
+        RuntimeError: the model already has offload hooks (call `remove_hooks` first).
+
+    Example:
+        >>> import tempfile, torch, accel
+        >>> from safetensors.torch import save_file
+        >>> path = tempfile.mkdtemp() + "/model.safetensors"
+        >>> save_file(torch.nn.Linear(2, 2).state_dict(), path)
+        >>> with accel.init_empty_weights():
+        ...     model = torch.nn.Linear(2, 2)
+        >>> model = accel.dispatch_checkpoint(model, path, device_map={"": "disk"})
+        >>> model(torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+    """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
+    fn = "dispatch_checkpoint"
+    _dispatch.check_unhooked(fn, model)
+    folder = check_writable(fn, offload_dir) if offload_dir is not None else None
+    entries = _dispatch.checkpoint_entries(fn, checkpoint)
+    layout = _dispatch.Layout(model)
+    _dispatch.check_keys(fn, layout, entries, strict)
+    if device_map == "auto":
+        budgets = dm.budgets(fn, max_memory)
+        if folder is not None and "disk" not in budgets:
+            budgets["disk"] = 2**62
+        device_map = infer_device_map(model, max_memory=budgets, no_split=no_split, dtype=dtype)
+    elif not isinstance(device_map, Mapping):
+        raise TypeError(
+            f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
+        )
+    elif max_memory is not None or no_split:
+        warnings.warn(
+            f"{fn}: max_memory and no_split only shape device_map='auto'; they are ignored with "
+            "the device_map you passed.",
+            stacklevel=2,
+        )
+    placement = layout.place(fn, device_map)
+    execution = _dispatch.execution_device(device_map)
+    sources = _dispatch.load(fn, layout, entries, placement, execution, folder, dtype)
+    _dispatch.hook(model, layout, device_map, sources, execution)
+    return model
+
+
+def cpu_offload(
+    model: nn.Module, *, execution_device: torch.device | str | int | None = None
+) -> nn.Module:
+    """Keep `model`'s weights on the CPU and move each module's to `execution_device` only for
+    its forward.
+
+    Args:
+        model: a model in memory.
+        execution_device: where forwards run; default the current CUDA device, else the CPU.
+
+    Returns:
+        The same model, hooked (undo with `remove_hooks`).
+
+    Example:
+        >>> import torch, accel
+        >>> model = accel.cpu_offload(torch.nn.Linear(2, 2), execution_device="cpu")
+        >>> model(torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+    """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
+    _dispatch.check_unhooked("cpu_offload", model)
+    device = _dispatch.device_arg(execution_device)
+    layout = _dispatch.Layout(model)
+    sources: dict[str, torch.Tensor | DiskTensor] = {
+        n: layout.tensors[n].detach().cpu() for n in layout.canonical_names()
+    }
+    _dispatch.hook_each_module(model, layout, sources, device)
+    return model
+
+
+def disk_offload(
+    model: nn.Module,
+    *,
+    offload_dir: str | os.PathLike[str],
+    execution_device: torch.device | str | int | None = None,
+) -> nn.Module:
+    """Write `model`'s weights to `offload_dir` as numpy memmaps and read each module's back,
+    lazily, only for its forward.
+
+    Args:
+        model: a model in memory (its tensors are replaced by meta placeholders).
+        offload_dir: a writable folder; it receives one `.dat` per tensor and `index.json`.
+        execution_device: where forwards run; default the current CUDA device, else the CPU.
+
+    Returns:
+        The same model, hooked (undo with `remove_hooks`).
+
+    Example:
+        >>> import tempfile, torch, accel
+        >>> model = accel.disk_offload(torch.nn.Linear(2, 2), offload_dir=tempfile.mkdtemp())
+        >>> model.weight.device
+        device(type='meta')
+    """
+    from accel import _dispatch  # imported on use, to keep `import accel` light
+
+    _dispatch.check_unhooked("disk_offload", model)
+    folder = check_writable("disk_offload", offload_dir)
+    device = _dispatch.device_arg(execution_device)
+    layout = _dispatch.Layout(model)
+    sources: dict[str, torch.Tensor | DiskTensor] = {
+        n: write_tensor(folder, n, layout.tensors[n]) for n in layout.canonical_names()
+    }
+    write_index(folder, {n: s for n, s in sources.items() if isinstance(s, DiskTensor)})
+    _dispatch.hook_each_module(model, layout, sources, device)
+    return model

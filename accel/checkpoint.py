@@ -1,0 +1,448 @@
+"""Checkpoints: model weights as Hugging Face safetensors, and crash-safe training state.
+
+`save_model` / `load_checkpoint_in_model` read and write the weights alone, in the layout other
+tools read. `save_state` / `load_state` hold everything a run needs to resume exactly (model,
+optimizer, scheduler, scaler, loader position, RNG states of every rank, any object with
+`state_dict`/`load_state_dict`). `save_checkpoint` / `latest_checkpoint` number, rotate and find
+them, optionally writing in the background. Every save goes through `accel._atomic`: it is
+either complete under its final name or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from accel import _atomic, _dcp
+from accel._checkpoint_files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
+from accel._model_io import check_against_model, dedupe_tied, parse_size, shard_name, split_shards
+from accel._safetensors_io import read_file, write_file
+from accel.context import RunContext
+from accel.model import unwrap_model
+
+__all__ = [
+    "CheckpointHandle",
+    "PerRank",
+    "latest_checkpoint",
+    "load_checkpoint_in_model",
+    "load_state",
+    "save_checkpoint",
+    "save_model",
+    "save_state",
+]
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+_SAVE_THREAD = "accel-checkpoint-save"
+
+
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """Mark an object whose state differs between ranks, so every rank saves its own copy.
+
+    By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
+    equal). Wrap what is not replicated, such as gradients accumulated under DDP's `no_sync`:
+    `save_state(ctx, d, grads=PerRank(grad_holder))`; load with the same wrapper.
+    """
+
+    obj: Any
+    """The object (with `state_dict`/`load_state_dict`, or a `torch.Generator`)."""
+
+
+class LoadResult(NamedTuple):
+    """Keys `load_checkpoint_in_model` left alone (with strict=False) or ignored."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# ---------------------------------------------------------------------------------- weights
+
+
+def save_model(
+    ctx: RunContext,
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    full_state_dict: bool = False,
+) -> None:
+    """Write the unwrapped model's weights as safetensors in the Hugging Face layout.
+
+    One `model.safetensors` when it fits in `max_shard_size`, else
+    `model-0000k-of-0000N.safetensors` shards and a `model.safetensors.index.json`. Tied
+    tensors are stored once (under their first name) and `load_checkpoint_in_model` restores
+    them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
+    (sizes, checksums) is written beside them; other files in `directory` are left alone.
+    FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
+    must call then); otherwise use `save_state`, which saves them sharded.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> save_model(RunContext.single(), nn.Linear(2, 2), d)
+        >>> sorted(p.name for p in Path(d).iterdir())
+        ['accel-manifest.json', 'model.safetensors']
+    """
+    fn = "save_model"
+    max_bytes = parse_size(fn, max_shard_size)
+    inner = unwrap_model(model)
+    state = inner.state_dict()
+    if _dcp.is_sharded(state.values()):
+        if not full_state_dict:
+            raise ValueError(
+                f"{fn}: the model is sharded by FSDP2; saving full weights gathers every "
+                "tensor on every rank. Pass full_state_dict=True (on every rank) to do that, or "
+                "save it sharded with accel.save_state(ctx, directory, model=model)."
+            )
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(inner, options=options)
+    if ctx.is_main:
+        _write_model_files(Path(directory), state, max_bytes)
+    if ctx.world_size > 1:
+        _barrier(ctx, fn)
+
+
+def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
+    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
+    shards = split_shards(tensors, max_bytes)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [shard_name(i, len(shards)) for i in range(len(shards))]
+    )
+    meta = {"format": "pt"}
+    entries: dict[str, list[int]] = {}
+    for name, shard in zip(names, shards, strict=True):
+        entries[name] = list(
+            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+        )
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {
+            "metadata": {"total_size": total, "tied": aliases},
+            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+        }
+        data = json.dumps(index, indent=2).encode()
+        entries[INDEX_NAME] = list(
+            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
+        )
+    manifest = {"format": _atomic.FORMAT, "torch_version": torch.__version__, "files": entries}
+    data = json.dumps(manifest, indent=1).encode()
+    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
+    _atomic.fsync_dir(directory)
+
+
+def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
+    partial = path.with_name(f".{path.name}.partial")
+    result = write(partial)
+    partial.replace(path)  # atomic: readers see the old file or the new one, never half
+    return result
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    device_map: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> LoadResult:
+    """Load safetensors weights (a file, an index, or a folder) into `model` in place.
+
+    Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
+    key sets. When the folder holds an accel manifest (written by `save_model`), each file's
+    size and checksum are verified first. Index entries pointing outside the folder (`../`,
+    absolute paths) are refused before any file is opened.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> save_model(RunContext.single(), nn.Linear(2, 2, bias=False), d)
+        >>> load_checkpoint_in_model(nn.Linear(2, 2, bias=False), d)
+        LoadResult(missing_keys=[], unexpected_keys=[])
+    """
+    fn = "load_checkpoint_in_model"
+    if device_map is not None:
+        raise NotImplementedError(
+            f"{fn}: device_map={dict(device_map)!r} places modules across devices, which is "
+            "dispatch_checkpoint's job; call accel.dispatch_checkpoint(model, checkpoint, "
+            "device_map=...) instead, or move the model first and pass device_map=None."
+        )
+    files = resolve_checkpoint(fn, checkpoint)
+    manifest_path = files.files[0].parent / _atomic.MANIFEST
+    manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
+    loaded: dict[str, torch.Tensor] = {}
+    for path in files.files:
+        expect = _atomic.expected(manifest, path.name) if manifest else None
+        loaded.update(read_file(fn, path, expect))
+    inner = unwrap_model(model)
+    state = check_against_model(fn, inner, loaded, strict=strict)
+    if _dcp.is_sharded(inner.state_dict().values()):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        set_model_state_dict(
+            inner,
+            dict[str, Any](state),
+            options=StateDictOptions(full_state_dict=True, strict=strict),
+        )
+    else:
+        inner.load_state_dict(state, strict=False)
+    own = inner.state_dict().keys()
+    return LoadResult(sorted(own - state.keys()), sorted(loaded.keys() - own))
+
+
+def _barrier(ctx: RunContext, fn: str) -> None:
+    import torch.distributed as dist
+
+    from accel.collectives import require_group
+
+    dist.barrier(group=require_group(ctx, fn))
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+class CheckpointHandle:
+    """A save in progress (or done): `wait()` blocks until it is durable and returns its path.
+
+    On rank 0 "durable" means published under its final name; on other ranks, that this
+    rank's files are written and fsynced (rank 0 publishes once every rank's are).
+    """
+
+    def __init__(self, path: Path, thread: threading.Thread | None) -> None:
+        self.path = path
+        self._thread = thread
+        self._error: list[BaseException] = []
+
+    def done(self) -> bool:
+        """True when the save has finished (successfully or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the save finished; re-raise its error; return the checkpoint path."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error:
+            raise RuntimeError(f"saving {str(self.path)!r} failed") from self._error[0]
+        return self.path
+
+
+def _wait_for_previous_saves() -> None:
+    # The next save waits for a background one, found by thread name: no global registry.
+    for thread in threading.enumerate():
+        if thread.name == _SAVE_THREAD and thread is not threading.current_thread():
+            thread.join()
+
+
+def _start_save(
+    fn: str,
+    ctx: RunContext,
+    final: Path,
+    objects: dict[str, Any],
+    *,
+    info: dict[str, Any],
+    blocking: bool,
+    after_publish: Callable[[], None] | None = None,
+) -> CheckpointHandle:
+    from accel._state_io import classify, finish, snapshot, write_rank_files
+
+    plan = classify(fn, objects)
+    _wait_for_previous_saves()
+    group = _group(ctx, fn)
+    staging = _atomic.staging_dir(final)
+    if ctx.is_main:
+        _atomic.fresh_staging(final)
+    if ctx.world_size > 1:
+        _barrier(ctx, fn)
+    if plan.dcp_models:  # a collective: runs in the caller's thread, before any background work
+        models = dict(plan.dcp_models)
+        optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
+        _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
+    files = snapshot(fn, ctx, plan, objects, copy=not blocking)
+    names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
+    names += [n for n, _, _ in plan.dcp_optimizers]
+    info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
+    timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
+
+    def job() -> None:
+        write_rank_files(staging, ctx.rank, files)
+        if ctx.is_main:
+            finish(staging, final, ctx.world_size, info, timeout_s)
+            if after_publish is not None:
+                after_publish()
+
+    if blocking:
+        job()
+        if ctx.world_size > 1:
+            _barrier(ctx, fn)  # every rank returns only once the checkpoint is published
+        return CheckpointHandle(final, None)
+    handle = CheckpointHandle(final, None)
+
+    def run() -> None:
+        try:
+            job()
+        except BaseException as err:
+            handle._error.append(err)
+            logger.error("background save of %s failed: %r", final, err)
+
+    handle._thread = threading.Thread(target=run, name=_SAVE_THREAD, daemon=False)
+    handle._thread.start()
+    return handle
+
+
+def _group(ctx: RunContext, fn: str) -> Any:
+    if ctx.world_size == 1:
+        return None
+    from accel.collectives import require_group
+
+    return require_group(ctx, fn)
+
+
+def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: Any) -> None:
+    """Save training state under `directory`, crash-safely, for an exact resume with load_state.
+
+    Pass each object under a name of your choice: models (saved unwrapped; FSDP2 models and
+    their optimizers sharded through torch.distributed.checkpoint), optimizers, schedulers,
+    GradScaler, loaders, `torch.Generator`, or anything with `state_dict`/`load_state_dict`.
+    Objects are saved once, from rank 0, unless wrapped in `PerRank`; the RNG states of every
+    rank are always saved. Tensors go to safetensors and everything else to JSON: nothing is
+    pickled. The directory is written under a temporary name, fsynced with a manifest of sizes
+    and crc32 checksums, and renamed into place; call it on every rank.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()) / "state"
+        >>> model = nn.Linear(2, 2)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> save_state(RunContext.single(), d, model=model, optimizer=opt)
+        >>> load_state(RunContext.single(), d, model=model, optimizer=opt)["objects"]
+        ['model', 'optimizer']
+    """
+    _start_save("save_state", ctx, Path(directory), objects, info={}, blocking=True)
+
+
+def load_state(
+    ctx: RunContext, directory: str | os.PathLike[str], **objects: Any
+) -> dict[str, Any]:
+    """Load what `save_state` saved into the given objects, in place, and restore RNG states.
+
+    Refuses a directory with no manifest, and any file whose size or checksum differs from the
+    manifest (naming it). FSDP2 state loads at any world size. Call it on every rank.
+
+    Returns:
+        The manifest (`step`, `world_size`, versions, files).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()) / "state"
+        >>> save_state(RunContext.single(), d, gen=torch.Generator().manual_seed(1))
+        >>> g = torch.Generator()
+        >>> load_state(RunContext.single(), d, gen=g)["world_size"], g.initial_seed()
+        (1, 1)
+    """
+    from accel._state_io import load
+
+    fn = "load_state"
+    return load(fn, ctx, Path(directory), objects, _group(ctx, fn))
+
+
+def save_checkpoint(
+    ctx: RunContext,
+    root: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    step: int,
+    keep: int | None = None,
+    blocking: bool = True,
+) -> CheckpointHandle:
+    """Save `state` (the objects save_state takes) as `root/step-<step>`; keep the newest `keep`.
+
+    Older checkpoints are deleted only after the new one is published, so `keep=1` never leaves
+    zero complete checkpoints. With `blocking=False` the call returns once tensors are copied to
+    host memory; the write and fsync run in a background thread. The next save (or
+    `handle.wait()`) waits for it, and a crash during it leaves the previous checkpoint latest.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> model = nn.Linear(2, 2)
+        >>> h = save_checkpoint(RunContext.single(), root, {"model": model}, step=3, keep=1)
+        >>> h.wait().name, latest_checkpoint(root).name
+        ('step-3', 'step-3')
+    """
+    fn = "save_checkpoint"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
+    root_path = Path(root)
+    root_path.mkdir(parents=True, exist_ok=True)
+    final = root_path / f"step-{step}"
+    rotate = (lambda: _rotate(root_path, keep, step)) if keep is not None else None
+    return _start_save(
+        fn, ctx, final, dict(state), info={"step": step}, blocking=blocking, after_publish=rotate
+    )
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for path in root.iterdir() if root.is_dir() else ():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and _is_complete(path):
+            found.append((int(match[1]), path))
+    return sorted(found)
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        manifest = _atomic.read_manifest("latest_checkpoint", path)
+    except (FileNotFoundError, ValueError):
+        return False
+    for rel, entry in manifest["files"].items():
+        file = path / rel
+        if not file.is_file() or file.stat().st_size != int(entry[0]):
+            return False
+    return True
+
+
+def _rotate(root: Path, keep: int | None, step: int) -> None:
+    if keep is None:
+        return
+    complete = _complete_steps(root)
+    for old_step, path in complete[:-keep]:
+        if old_step != step:
+            shutil.rmtree(path)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete `root/step-<n>` checkpoint (manifest present, sizes match), or None.
+
+    Example:
+        >>> import tempfile
+        >>> latest_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
+    complete = _complete_steps(Path(root))
+    return complete[-1][1] if complete else None
