@@ -99,14 +99,23 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
         "--monitor-interval", str(config.monitor_interval),
     ]  # fmt: skip
     port = config.main_process_port
-    if machines == 1 and not port:
-        argv.append("--standalone")  # c10d rendezvous on localhost:0, a free port
+    if machines == 1 and config.max_restarts:
+        # c10d rendezvous, where each restarted attempt gets a fresh store (_AGENT_ENVIRONMENT).
+        if port:
+            _check_port_free(port)
+            endpoint = f"{config.main_process_ip or '127.0.0.1'}:{port}"
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        else:
+            argv.append("--standalone")  # c10d rendezvous on localhost:0, a free port
     elif machines == 1:
-        # c10d rather than static rendezvous on the given port: static keeps one store for the
-        # whole job, which a restarted attempt must not reuse (see _AGENT_ENVIRONMENT).
-        _check_port_free(port)
-        endpoint = f"{config.main_process_ip or '127.0.0.1'}:{port}"
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        # Nothing to restart: torchrun's static rendezvous, which starts faster than c10d's
+        # (no join protocol with its random start delay and polling), on the given port or a
+        # free one.
+        if port:
+            _check_port_free(port)
+        else:
+            port = _free_port()
+        argv += ["--master-addr", config.main_process_ip or "127.0.0.1", "--master-port", str(port)]
     else:
         if not config.main_process_ip or not port:
             raise ValueError(
@@ -133,6 +142,13 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
     elif not Path(args.script).is_file():
         raise FileNotFoundError(f"script={args.script!r} does not exist.")
     return [*argv, args.script, *args.script_args]
+
+
+def _free_port() -> int:
+    # The OS picks a port that is free now; torchrun's agent binds it a moment later.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
 
 
 def _check_port_free(port: int | None) -> None:

@@ -245,13 +245,20 @@ def test_estimate_memory_counts_tied_weights_once(tmp_path: Path) -> None:
 
 def test_torchrun_arguments_for_each_topology() -> None:
     args = argparse.Namespace(log_dir=None, tee=None, module=True, script="m", script_args=["--x"])
+    # One machine, nothing to restart: static rendezvous on a free port (the quickest start).
     single = _launch.torchrun_argv(Config(num_processes=4), args)
-    assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "4"] and "--standalone" in single
+    assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "4"]
+    assert single[8:10] == ["--master-addr", "127.0.0.1"] and single[10] == "--master-port"
+    assert 0 < int(single[11]) < 65536
     assert single[-3:] == ["--module", "m", "--x"]
     port = _free_port()
     fixed = _launch.torchrun_argv(Config(num_processes=2, main_process_port=port), args)
-    # A fixed port on one machine is a c10d rendezvous there (a restart gets a fresh store).
-    assert fixed[8:12] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    assert fixed[8:12] == ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    # With restarts: c10d rendezvous, where every attempt gets a fresh store.
+    restarts = _launch.torchrun_argv(Config(num_processes=2, max_restarts=1), args)
+    assert restarts[8] == "--standalone"
+    both = _launch.torchrun_argv(Config(max_restarts=1, main_process_port=port), args)
+    assert both[8:12] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     static = _launch.torchrun_argv(
         Config(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="h",
                main_process_port=9, max_restarts=2), args)  # fmt: skip
