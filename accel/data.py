@@ -34,7 +34,8 @@ Layout = tuple[tuple[int, int], ...]
 
 
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    # Folded into 64 bits: manual_seed refuses larger integers, which large seeds would reach.
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
 
 
 def _sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
@@ -149,7 +150,16 @@ class ShardedLoader:
         if start >= len(mine):
             return
         loader = self.loader
+        # Starting a DataLoader iterator draws its workers' base seed from `generator`, which
+        # is torch's global RNG when none is given: a resumed run would start its iterator at a
+        # point the uninterrupted one did not and shift the dropout masks of every later step.
+        # Without the user's own generator, draw it from (seed, epoch, rank) instead, which
+        # also gives workers the same seeds after a resume.
+        generator = loader.generator
+        if generator is None:
+            generator = _epoch_generator(self._seed * 1_000_003 + self.epoch, self.plan.rank)
         common: dict[str, Any] = dict(
+            generator=generator,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,

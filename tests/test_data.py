@@ -213,6 +213,36 @@ def test_resume_mid_epoch_yields_the_rest_without_loading_skipped_samples() -> N
     assert resumed.state_dict()["epoch"] == 2 and resumed.state_dict()["position"] == 0
 
 
+class WorkerSeed(Dataset[int]):
+    """Each sample is the torch seed of the process that loaded it (a worker's, with workers)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return torch.initial_seed()
+
+
+def test_iterating_leaves_the_global_rng_alone_and_workers_reseed_alike_after_resume() -> None:
+    # A DataLoader draws its workers' base seed from torch's global RNG when it starts an
+    # iterator; a resumed run starts one where the uninterrupted run did not, which shifted
+    # every later dropout mask (char_lm drifted from the first step after resuming).
+    ctx = RunContext(rank=0, world_size=2, seed=3)
+    loader = accel.shard_loader(ctx, DataLoader(Counting(20), batch_size=2, shuffle=True))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    for _ in range(2):
+        list(loader)
+    assert torch.equal(torch.get_rng_state(), before)
+
+    def seeds(position: int) -> list[int]:
+        ld = accel.shard_loader(ctx, DataLoader(WorkerSeed(), batch_size=1, num_workers=1))
+        ld.load_state_dict(ld.state_dict() | {"epoch": 1, "position": position})
+        return [int(b) for b in ld]
+
+    assert seeds(0)[2:] == seeds(2)  # a resumed worker is seeded as the uninterrupted one was
+
+
 def test_state_from_another_world_or_dataset_is_refused() -> None:
     loader = accel.shard_loader(
         RunContext(rank=0, world_size=2), DataLoader(list(range(10)), batch_size=2)
