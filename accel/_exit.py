@@ -1,4 +1,4 @@
-"""A clean process exit while a gloo process group is still alive.
+"""How a worker process ends: cleanly with gloo groups alive, and together with its launcher.
 
 Each gloo worker thread drops its reference to a finished collective just after waking the
 caller. If that frees a tensor whose Python object the tensor owns, the thread must take the
@@ -19,12 +19,17 @@ one of them is runnable: a few milliseconds in practice.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 
 _TASKS = Path("/proc/self/task")
 _GLOO_WORKER = "pt_gloo_runloop"  # the thread name ProcessGroupGloo gives its workers
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def runnable_threads(name: str, tasks: Path = _TASKS) -> int:
@@ -58,3 +63,20 @@ def drain_gloo_workers(timeout: float = 0.5, quiet_polls: int = 3) -> None:
 def register_exit_guard() -> None:
     """Have `drain_gloo_workers` run at exit; registered once per process however often called."""
     atexit.register(drain_gloo_workers)
+
+
+def die_with_parent() -> None:
+    """Have Linux SIGKILL this process when its parent (torchrun's agent) dies.
+
+    torchrun starts each worker in a session of its own, so killing the launcher, even its whole
+    process group with `kill -9`, leaves the workers running: they go on training and writing
+    checkpoints, next to a resumed run, until a collective fails. A no-op off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # refused (e.g. by a seccomp policy): keep torchrun's behaviour
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

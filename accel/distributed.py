@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
-from accel._exit import register_exit_guard
+from accel._exit import die_with_parent, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._typing import Backend, Precision
 from accel.collectives import comm_device, named_collective, require_group
@@ -177,6 +177,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
             )
         return
     if launch.launcher == "torchrun":
+        die_with_parent()
         # env:// honours torchrun's agent store. Workers restarted by the elastic agent
         # (--max_restarts) reuse that store, where the previous attempt's gloo addresses are
         # still written under the same keys; a prefix per attempt keeps them apart.
