@@ -33,9 +33,13 @@ __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "sh
 Layout = tuple[tuple[int, int], ...]
 
 
-def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+def _epoch_generator(*parts: int) -> torch.Generator:
+    """A generator seeded from `parts` (seed, epoch, ...), the same on every call."""
+    value = 0
+    for part in parts:
+        value = value * 1_000_003 + part
     # Folded into 64 bits: manual_seed refuses larger integers, which large seeds would reach.
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
+    return torch.Generator().manual_seed(value % 2**64)
 
 
 def _sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
@@ -157,7 +161,7 @@ class ShardedLoader:
         # also gives workers the same seeds after a resume.
         generator = loader.generator
         if generator is None:
-            generator = _epoch_generator(self._seed * 1_000_003 + self.epoch, self.plan.rank)
+            generator = _epoch_generator(self._seed, self.epoch, self.plan.rank)
         common: dict[str, Any] = dict(
             generator=generator,
             num_workers=loader.num_workers,
