@@ -9,6 +9,7 @@ ignore and the next save removes.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from accel._crc32 import crc32
 
 MANIFEST = "accel-manifest.json"
 FORMAT = 1
@@ -58,11 +61,15 @@ def fsync_file(path: Path) -> None:
 
 def checksum_file(path: Path) -> tuple[int, int]:
     """(size, crc32) of a file on disk."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return path.stat().st_size, crc
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return size, crc32(view)
+        finally:
+            view.release()
 
 
 def fresh_staging(final: Path) -> Path:

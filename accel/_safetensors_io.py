@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import queue
 import struct
 import threading
@@ -23,6 +22,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
+
+from accel._atomic import fsync_file
+from accel._crc32 import crc32
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
@@ -84,18 +86,6 @@ def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
             yield v[start : start + CHUNK]
 
 
-def write_file(
-    path: Path,
-    tensors: Mapping[str, torch.Tensor],
-    metadata: Mapping[str, str] | None = None,
-    *,
-    fsync: bool = True,
-) -> tuple[int, int]:
-    """Write `tensors` (CPU) to `path` and, unless told not to, fsync; return (size, crc32)."""
-    views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
-    return write_views(path, views, fsync=fsync)
-
-
 class _Checksum:
     """A running crc32 computed in a helper thread, in submission order.
 
@@ -122,8 +112,27 @@ class _Checksum:
         return self.value
 
 
-def write_views(path: Path, views: list[memoryview], *, fsync: bool = True) -> tuple[int, int]:
-    """Write the buffers in order, checksumming in a second thread; fsync."""
+class PendingWrite:
+    """A file whose bytes are written (not fsynced) while its crc32 may still be running."""
+
+    def __init__(self, size: int, checksum: _Checksum) -> None:
+        self.size = size
+        self._checksum = checksum
+
+    def result(self) -> tuple[int, int]:
+        """(size, crc32), once the checksum thread has finished."""
+        return self.size, self._checksum.result()
+
+
+def start_write(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> PendingWrite:
+    """Write `tensors` (CPU) to `path`, checksumming in a second thread; do not fsync.
+
+    Returns before the checksum of the last chunks is done, so that the caller's fsync (the
+    disk's time) overlaps with it.
+    """
+    views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
     crc = _Checksum()
     size = 0
     try:
@@ -132,19 +141,32 @@ def write_views(path: Path, views: list[memoryview], *, fsync: bool = True) -> t
                 crc.add(chunk)  # overlapped with the write of the same chunk
                 f.write(chunk)
                 size += len(chunk)
-            if fsync:
-                os.fsync(f.fileno())
-    finally:
-        value = crc.result()
-    return size, value
+    except BaseException:
+        crc.result()  # stop the thread
+        raise
+    return PendingWrite(size, crc)
 
 
-def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+def write_file(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, int]:
+    """Write `tensors` (CPU) to `path` and fsync it; return (size, crc32)."""
+    pending = start_write(path, tensors, metadata)
+    fsync_file(path)
+    return pending.result()
+
+
+def read_file(
+    fn: str, path: Path, expected: tuple[int, int] | None, *, copy: bool = False
+) -> dict[str, torch.Tensor]:
     """Map a safetensors file; check size and crc32 when `expected` is given; return tensors.
 
-    The file is mapped copy-on-write (as `safetensors.torch.load_file` does): the checksum pass
-    reads the pages straight from the page cache, the tensors view the mapping without a copy,
-    and writing to them (an optimizer updating its loaded state) never touches the file.
+    The file is mapped copy-on-write (as `safetensors.torch.load_file` does) and the checksum
+    runs on several threads. Without `copy` the tensors view the mapping: right for weights that
+    are copied into a model at once. With `copy` the bytes are first copied into private memory
+    and the mapping is dropped, for state an object keeps (an optimizer's moments): otherwise
+    its first update would pay a copy-on-write fault per page, and the mapping would pin the
+    file's disk space after a rotation deletes it.
     """
     size = path.stat().st_size
     if expected is not None and size != expected[0]:
@@ -156,18 +178,19 @@ def read_file(fn: str, path: Path, expected: tuple[int, int] | None) -> dict[str
         return parse(fn, path, torch.empty(0, dtype=torch.uint8))
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buf = torch.frombuffer(mapped, dtype=torch.uint8)
+    if copy:
+        buf = buf.clone()  # the checksum below then reads the copy, not the file
     if expected is not None:
-        crc = 0
-        view = memoryview(mapped)
-        for start in range(0, size, CHUNK):
-            crc = zlib.crc32(view[start : start + CHUNK], crc)
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+        crc = crc32(view, chunk=CHUNK)
         view.release()
         if crc != expected[1]:
             raise CorruptFileError(
                 f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
                 f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
             )
-    return parse(fn, path, torch.frombuffer(mapped, dtype=torch.uint8))
+    return parse(fn, path, buf)
 
 
 def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:

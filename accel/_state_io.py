@@ -25,7 +25,7 @@ from torch import nn
 
 from accel import _atomic, _dcp
 from accel._model_io import check_against_model, dedupe_tied
-from accel._safetensors_io import read_file, write_file
+from accel._safetensors_io import PendingWrite, read_file, start_write
 from accel._state_codec import decode, encode
 from accel.context import RunContext
 from accel.model import unwrap_model
@@ -139,19 +139,25 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     """Write, fsync, and leave a marker listing (size, crc32) of each file written."""
     entries: dict[str, list[int]] = {}
+    pending: dict[str, PendingWrite] = {}
     written = []
-    for stem, (tensors, skeleton) in files.items():
-        (staging / stem).parent.mkdir(parents=True, exist_ok=True)
-        path = staging / f"{stem}.safetensors"
-        # fsync after all writes, as a hand-written save would: the kernel writes the first
-        # files back while the later ones are still being written.
-        entries[f"{stem}.safetensors"] = list(write_file(path, tensors, fsync=False))
-        entries[f"{stem}.json"] = list(
-            _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
-        )
-        written += [path, staging / f"{stem}.json"]
-    for path in written:
-        _atomic.fsync_file(path)
+    try:
+        for stem, (tensors, skeleton) in files.items():
+            (staging / stem).parent.mkdir(parents=True, exist_ok=True)
+            path = staging / f"{stem}.safetensors"
+            # fsync after all writes, as a hand-written save would: the kernel writes the first
+            # files back while the later ones are still being written, and the checksums of
+            # the last chunks finish while the disk works.
+            pending[f"{stem}.safetensors"] = start_write(path, tensors)
+            entries[f"{stem}.json"] = list(
+                _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
+            )
+            written += [path, staging / f"{stem}.json"]
+        for path in written:
+            _atomic.fsync_file(path)
+    finally:  # collect every checksum, also to end their threads when a write failed
+        sums = {rel: list(p.result()) for rel, p in pending.items()}
+    entries.update(sums)
     marker = staging / f".rank{rank}.done"
     # The marker only tells rank 0 this rank is done (its files are fsynced already); the
     # manifest rank 0 writes from it is what must be durable.
@@ -200,7 +206,9 @@ def _read(
         doc = json.loads(raw)
     except ValueError:
         raise ValueError(f"{fn}: {str(directory / json_rel)!r} is not JSON.") from None
-    tensors = read_file(fn, directory / st_rel, _atomic.expected(manifest, st_rel))
+    # A module's weights are copied into its parameters at once; other objects keep theirs.
+    private = doc.get("kind") != "module"
+    tensors = read_file(fn, directory / st_rel, _atomic.expected(manifest, st_rel), copy=private)
     return decode(fn, doc["state"], tensors), doc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -279,6 +280,25 @@ def test_load_state_refuses_no_manifest_and_corrupt_files(tmp_path: Path) -> Non
         accel.load_state(CTX, d, model=model)
 
 
+def test_a_flipped_bit_deep_in_a_multi_chunk_file_is_caught(tmp_path: Path) -> None:
+    # 20 MiB of weights: the checksum is computed in 8 MiB chunks on several threads at save
+    # and load; a bit flipped in a later chunk must still fail it.
+    model = torch.nn.Linear(2560, 2048)
+    d = tmp_path / "s"
+    accel.save_state(CTX, d, model=model)
+    manifest = json.loads((d / MANIFEST).read_text())
+    data = (d / "model.safetensors").read_bytes()
+    assert len(data) > 2 * (8 << 20)
+    assert manifest["files"]["model.safetensors"] == [len(data), zlib.crc32(data)]
+    accel.load_state(CTX, d, model=torch.nn.Linear(2560, 2048))  # intact: loads
+    for position in ((8 << 20) + 100, len(data) - 5):  # the second chunk, the last chunk
+        _flip_byte(d / "model.safetensors", len(data) - position)
+        with pytest.raises(ValueError, match=r"model\.safetensors.*fails its checksum"):
+            accel.load_state(CTX, d, model=model)
+        _flip_byte(d / "model.safetensors", len(data) - position)  # back as it was
+    accel.load_state(CTX, d, model=model)
+
+
 class Boom:
     """A pickle that would create a marker file if anything unpickled it."""
 
@@ -437,3 +457,27 @@ def test_sharded_loader_position_resumes_mid_epoch(tmp_path: Path) -> None:
     accel.load_state(CTX, tmp_path / "s", loader=resumed)
     assert [b.tolist() for b in resumed] == rest
     assert len(seen) + len(rest) == 10
+
+
+def _mapped_files() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_loaded_state_does_not_keep_the_checkpoint_mapped(tmp_path: Path) -> None:
+    # Rotating a checkpoint away must free its disk space, and the first optimizer step must
+    # not fault pages in from the file: nothing loaded may keep viewing the file.
+    model, opt, sched, *_ = _train_objects(0)
+    _step(model, opt, sched)
+    d = tmp_path / "s"
+    accel.save_state(CTX, d, model=model, optimizer=opt, scheduler=sched)
+    model2, opt2, sched2, *_ = _train_objects(1)
+    accel.load_state(CTX, d, model=model2, optimizer=opt2, scheduler=sched2)
+    gc.collect()
+    assert str(d) not in _mapped_files()
+    for (p, q), (a, b) in zip(
+        zip(model.parameters(), model2.parameters(), strict=True),
+        zip(opt.state.values(), opt2.state.values(), strict=True),
+        strict=True,
+    ):
+        assert torch.equal(p, q) and torch.equal(a["exp_avg"], b["exp_avg"])
