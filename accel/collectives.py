@@ -204,27 +204,30 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
     """
     if ctx.world_size == 1:
         return tree
-    group = require_group(ctx, "gather")
     leaves, treedef = tensor_leaves("gather", tree)
-    rows, offsets = _exchange(
-        ctx, "gather", _describe(leaves, treedef, None), leaves,
-        "To gather tensors whose dim 0 differs, call pad_across_processes(ctx, tree) first.",
-        group,
-    )  # fmt: skip
+    hint = "To gather tensors whose dim 0 differs, call pad_across_processes(ctx, tree) first."
+    return unflatten(treedef, gather_leaves(ctx, "gather", leaves, treedef, hint))
+
+
+def gather_leaves(
+    ctx: RunContext, fn: str, leaves: Sequence[torch.Tensor], treedef: TreeDef, hint: str
+) -> list[torch.Tensor]:
+    """`gather` of a flattened tree (world_size > 1); errors name `fn` and end with `hint`."""
+    group = require_group(ctx, fn)
+    rows, offsets = _exchange(ctx, fn, _describe(leaves, treedef, None), leaves, hint, group)
     if rows is not None:
-        out = [
+        return [
             _stacked(rows, offset, t, (-1, *t.shape[1:]))
             for t, offset in zip(leaves, offsets, strict=True)
         ]
-        return unflatten(treedef, out)
     out = []
-    with named_collective(ctx, "gather"):
+    with named_collective(ctx, fn):
         for t in leaves:
             t = t.reshape(1) if t.dim() == 0 else t.contiguous()
             result = t.new_empty((ctx.world_size * t.shape[0], *t.shape[1:]))
             _all_gather_single(result, t, group=group)
             out.append(result)
-    return unflatten(treedef, out)
+    return out
 
 
 def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> TensorTree:

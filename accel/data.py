@@ -381,20 +381,27 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "with fewer batches than ranks); they cannot join the collective. Use "
             "even_batches=True, or gather after the loop with accel.gather_object."
         )
-    from accel.collectives import _all_gather_single, require_group
+    from accel.collectives import gather_leaves
 
-    group = require_group(ctx, "gather_for_metrics")
+    # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
+    # one checked exchange, then keep each rank's real samples.
     longest = max(size for size, _ in layout)
-    out = []
-    for leaf in leaves:
-        padded = leaf
-        if leaf.shape[0] < longest:
-            fill = leaf.new_zeros((longest - leaf.shape[0], *leaf.shape[1:]))
-            padded = torch.cat([leaf, fill])
-        gathered = padded.new_empty((ctx.world_size * longest, *leaf.shape[1:]))
-        _all_gather_single(gathered, padded.contiguous(), group=group)
-        parts = [
-            gathered[r * longest : r * longest + size - pad] for r, (size, pad) in enumerate(layout)
-        ]
-        out.append(torch.cat(parts))
+    padded = [
+        leaf
+        if leaf.shape[0] == longest
+        else torch.cat([leaf, leaf.new_zeros((longest - leaf.shape[0], *leaf.shape[1:]))])
+        for leaf in leaves
+    ]
+    hint = (
+        "Every rank must pass per-sample results of the same structure, dtypes and trailing shape."
+    )
+    everyone = gather_leaves(ctx, "gather_for_metrics", padded, treedef, hint)
+    if all(size - pad == longest for size, pad in layout):  # nothing to drop: no copy
+        return unflatten(treedef, everyone)
+    out = [
+        torch.cat(
+            [g[r * longest : r * longest + size - pad] for r, (size, pad) in enumerate(layout)]
+        )
+        for g in everyone
+    ]
     return unflatten(treedef, out)

@@ -41,6 +41,22 @@ def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     uneven = accel.shard_loader(ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False)
     res["uneven"] = _evaluate(ctx, uneven)
     res["iterable"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(Stream(13), batch_size=3)))
+    # a (predictions, labels) tree of two dtypes, uneven last batches: one exchange, trimmed
+    uneven = accel.shard_loader(ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False)
+    pairs = [accel.gather_for_metrics(ctx, (b.float().unsqueeze(1).repeat(1, 3), b), loader=uneven) for b in uneven]
+    res["tree"] = [(p.tolist(), y.tolist()) for p, y in pairs]
+    # ranks disagreeing on a trailing dim get an error on every rank, not a hang
+    try:
+        accel.gather_for_metrics(ctx, torch.zeros(2, 3 + ctx.rank), loader=accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2)))
+    except RuntimeError as err:  # no batch yielded by that loader yet
+        res["err_unstarted"] = str(err)
+    loader = accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2))
+    batch = next(iter(loader))
+    try:
+        accel.gather_for_metrics(ctx, torch.zeros(len(batch), 3 + ctx.rank), loader=loader)
+    except ValueError as err:
+        res["err_shape"] = str(err)
+    res["after_error"] = accel.gather_for_metrics(ctx, batch, loader=loader).tolist()
     # evaluation in the middle of a training epoch does not disturb the training loader
     train = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
     seen, evals = [], []
@@ -78,6 +94,25 @@ def test_every_sample_is_counted_once_in_order(world: tuple[int, str, list[Any]]
         assert res["full"] == [10 * i for i in range(13)]
         assert res["iterable"] == [10 * i for i in range(13)]
         assert res["mid_eval"] == [10 * i for i in range(7)]
+
+
+def test_a_tree_of_two_dtypes_comes_back_whole_and_trimmed(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    for res in results:
+        preds = [row for p, _ in res["tree"] for row in p]
+        labels = [y for _, ys in res["tree"] for y in ys]
+        assert labels == list(range(8 * n - 2))
+        assert preds == [[float(i)] * 3 for i in range(8 * n - 2)]
+
+
+def test_ranks_disagreeing_on_shapes_raise_on_every_rank(world: tuple[int, str, list[Any]]) -> None:
+    n, _, results = world
+    for rank, res in enumerate(results):
+        assert "has not yielded a batch yet" in res["err_unstarted"]
+        assert res["err_shape"].startswith("gather_for_metrics: the ranks passed different inputs")
+        for k in range(n):
+            assert f"rank {k}: * float32[2, {3 + k}]" in res["err_shape"]
+        assert res["after_error"] == [2 * k + i for k in range(n) for i in range(2)]
 
 
 def test_early_break_gathers_the_rounds_seen(world: tuple[int, str, list[Any]]) -> None:
