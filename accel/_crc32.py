@@ -4,7 +4,7 @@
 parallel. The parts combine into the value a single `zlib.crc32` pass gives: the CRC of A + B
 is the CRC of A carried through len(B) zero bytes, XOR the CRC of B, and carrying a CRC through
 n zero bytes is a multiplication by x^(8n) modulo the CRC polynomial (square-and-multiply in
-GF(2), a few hundred microseconds of Python per chunk length).
+GF(2), about a hundred microseconds of Python per distinct chunk length).
 """
 
 from __future__ import annotations
