@@ -381,17 +381,12 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "with fewer batches than ranks); they cannot join the collective. Use "
             "even_batches=True, or gather after the loop with accel.gather_object."
         )
-    from accel.collectives import gather_leaves
+    from accel.collectives import _pad, gather_leaves
 
     # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
     # one checked exchange, then keep each rank's real samples.
     longest = max(size for size, _ in layout)
-    padded = [
-        leaf
-        if leaf.shape[0] == longest
-        else torch.cat([leaf, leaf.new_zeros((longest - leaf.shape[0], *leaf.shape[1:]))])
-        for leaf in leaves
-    ]
+    padded = [_pad(leaf, 0, longest, 0, False) for leaf in leaves]
     hint = (
         "Every rank must pass per-sample results of the same structure, dtypes and trailing shape."
     )

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +42,25 @@ def _hand_written(xs: tuple[torch.Tensor, ...], world_size: int) -> list[torch.T
     return outs
 
 
+def _bare_reused(outs: list[torch.Tensor], xs: tuple[torch.Tensor, ...]) -> None:
+    for out, x in zip(outs, xs, strict=True):
+        _bare(out, x.reshape(-1))
+
+
+def _medians_us(calls: list[Callable[[], object]], n: int) -> list[float]:
+    """Median microseconds of each call, run interleaved n times after 5 warm-up rounds."""
+    for _ in range(5):
+        for call in calls:
+            call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(n):
+        for call, log in zip(calls, times, strict=True):
+            start = time.perf_counter()
+            call()
+            log.append(time.perf_counter() - start)
+    return [statistics.median(log) * 1e6 for log in times]
+
+
 def _bench(ctx: RunContext, iters: int, sizes: tuple[int, ...]) -> list[tuple[Any, ...]]:
     rows = []
     cases: list[tuple[str, tuple[torch.Tensor, ...]]] = [
@@ -49,25 +70,15 @@ def _bench(ctx: RunContext, iters: int, sizes: tuple[int, ...]) -> list[tuple[An
     for label, xs in cases:
         numel = sum(x.numel() for x in xs)
         reused = [torch.empty(ctx.world_size * x.numel(), dtype=x.dtype) for x in xs]
-        n = max(10, iters * 65_536 // max(numel, 65_536))
         arg: Any = xs[0] if len(xs) == 1 else xs
-        for _ in range(5):  # warm-up
-            gather(ctx, arg)
-            _hand_written(xs, ctx.world_size)
-        accel_t, bare_t, reuse_t = [], [], []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            gather(ctx, arg)
-            t1 = time.perf_counter()
-            _hand_written(xs, ctx.world_size)
-            t2 = time.perf_counter()
-            for out, x in zip(reused, xs, strict=True):
-                _bare(out, x.reshape(-1))
-            t3 = time.perf_counter()
-            accel_t.append(t1 - t0)
-            bare_t.append(t2 - t1)
-            reuse_t.append(t3 - t2)
-        medians = [statistics.median(t) * 1e6 for t in (accel_t, bare_t, reuse_t)]
+        medians = _medians_us(
+            [
+                partial(gather, ctx, arg),
+                partial(_hand_written, xs, ctx.world_size),
+                partial(_bare_reused, reused, xs),
+            ],
+            max(10, iters * 65_536 // max(numel, 65_536)),
+        )
         rows.append((label, numel * 4 / 1e6, *medians))
     rows += _bench_metrics(ctx, iters)
     return rows
@@ -76,9 +87,8 @@ def _bench(ctx: RunContext, iters: int, sizes: tuple[int, ...]) -> list[tuple[An
 def _bench_metrics(ctx: RunContext, iters: int) -> list[tuple[Any, ...]]:
     """`gather_for_metrics` on a batch of 64 predictions (DESIGN.md's 1.1x target).
 
-    It trusts the loader's layout of the batch it just yielded (no shape round), pads uneven
-    batches and trims repeats; here every rank's batch is full, so it moves what the bare
-    call moves.
+    It goes through gather's checked exchange after padding uneven batches, and trims repeats
+    after; here every rank's batch is full, so nothing is padded or trimmed.
     """
     from torch.utils.data import DataLoader
 
@@ -91,20 +101,14 @@ def _bench_metrics(ctx: RunContext, iters: int) -> list[tuple[Any, ...]]:
     ]
     for label, xs in cases:
         arg: Any = xs[0] if len(xs) == 1 else xs
-        for _ in range(5):
-            gather_for_metrics(ctx, arg, loader=loader)
-            _hand_written(xs, ctx.world_size)
-        accel_t, bare_t = [], []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            gather_for_metrics(ctx, arg, loader=loader)
-            t1 = time.perf_counter()
-            _hand_written(xs, ctx.world_size)
-            t2 = time.perf_counter()
-            accel_t.append(t1 - t0)
-            bare_t.append(t2 - t1)
-        medians = [statistics.median(t) * 1e6 for t in (accel_t, bare_t)]
-        rows.append((label, sum(x.numel() for x in xs) * 4 / 1e6, *medians, float("nan")))
+        medians = _medians_us(
+            [
+                partial(gather_for_metrics, ctx, arg, loader=loader),
+                partial(_hand_written, xs, ctx.world_size),
+            ],
+            iters,
+        )
+        rows.append((label, sum(x.numel() for x in xs) * 4 / 1e6, *medians, None))
     return rows
 
 
@@ -121,7 +125,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for label, mb, accel_us, bare_us, reuse_us in rows:
-        reuse = "" if reuse_us != reuse_us else f"{reuse_us:.0f} | {accel_us / reuse_us:.2f}x"
+        reuse = "" if reuse_us is None else f"{reuse_us:.0f} | {accel_us / reuse_us:.2f}x"
         print(f"| {label} | {mb:.2f} | {accel_us:.0f} | {bare_us:.0f} | {accel_us / bare_us:.2f}x "
               f"| {reuse or ' | '} |")  # fmt: skip
 
