@@ -1,5 +1,6 @@
 """accel: distributed PyTorch training as small functions over an explicit `RunContext`."""
 
+from accel._version import __version__ as __version__
 from accel.accumulate import (
     accumulate,
     num_items_in_batch,
@@ -16,9 +17,11 @@ from accel.big_model import (
     infer_device_map,
     init_empty_weights,
     init_on_device,
+    remove_hooks,
 )
 from accel.checkpoint import (
     CheckpointHandle,
+    LoadResult,
     PerRank,
     latest_checkpoint,
     load_checkpoint_in_model,
@@ -60,14 +63,11 @@ from accel.distributed import (
     split_between_processes,
     wait_for_everyone,
 )
-from accel.hooks import (
-    remove_hooks,
-)
 from accel.logging import (
     RankLogger,
     get_logger,
 )
-from accel.model import (
+from accel.parallel import (
     DDPOptions,
     FSDPOptions,
     check_optimizer,
@@ -102,6 +102,7 @@ __all__ = [
     "DDPOptions",
     "FSDPOptions",
     "JSONLTracker",
+    "LoadResult",
     "PerRank",
     "RankLogger",
     "RunContext",

@@ -14,6 +14,7 @@ produce, so a migrating user sees the same samples on the same ranks:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,7 +82,15 @@ class ShardPlan:
                 )
 
     @classmethod
-    def for_context(cls, ctx: RunContext, **options: object) -> Self:
+    def for_context(
+        cls,
+        ctx: RunContext,
+        *,
+        batch_size: int | None,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        drop_last: bool = False,
+    ) -> Self:
         """The plan for `ctx`'s rank and world size.
 
         Example:
@@ -89,18 +98,18 @@ class ShardPlan:
         >>> ShardPlan.for_context(RunContext(rank=1, world_size=2), batch_size=4).rank
         1
         """
-        return cls(rank=ctx.rank, world_size=ctx.world_size, **options)  # type: ignore[arg-type]
+        return cls(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            batch_size=batch_size,
+            split_batches=split_batches,
+            even_batches=even_batches,
+            drop_last=drop_last,
+        )
 
     def for_rank(self, rank: int) -> ShardPlan:
         """The same plan seen from another rank."""
-        return ShardPlan(
-            rank=rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            split_batches=self.split_batches,
-            even_batches=self.even_batches,
-            drop_last=self.drop_last,
-        )
+        return dataclasses.replace(self, rank=rank)
 
     def shard(self, batches: Sequence[Sequence[int]]) -> list[ShardBatch]:
         """This rank's batches, given every underlying batch of the epoch in order."""

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
@@ -114,8 +115,6 @@ def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index:
     for batch in batches:
         count += _labels(batch).ne(ignore_index).sum().cpu()
     if ctx.world_size > 1:
-        from accel.collectives import comm_device, named_collective, require_group
-
         group = require_group(ctx, "num_items_in_batch")
         count = count.to(comm_device(ctx))
         with named_collective(ctx, "num_items_in_batch"):

@@ -15,19 +15,17 @@ collective was the whole call; otherwise a second round moves the data, now know
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
 
-from accel._exit import register_exit_guard
+from accel._groups import comm_device, global_rank, named_collective, require_group
 from accel._tree import TreeDef, tensor_leaves, unflatten
 from accel._typing import ReduceOp, TensorTree
 from accel.context import RunContext
-from accel.errors import NOT_INITIALIZED_MSG
 
 __all__ = [
     "broadcast",
@@ -46,53 +44,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _REDUCE_OPS = MappingProxyType(
     {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 )
-
-
-def require_group(ctx: RunContext, fn: str) -> Any:
-    """Return the group to pass to torch.distributed for a multi-process context.
-
-    `ctx.process_group=None` means torch's default group, as `group=None` does in torch; it
-    must exist and match the context's world size. Raises naming `fn` otherwise.
-    """
-    register_exit_guard()  # the group may be the caller's own, made without init_distributed
-    if ctx.process_group is not None:
-        return ctx.process_group
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(NOT_INITIALIZED_MSG.format(fn=fn, world_size=ctx.world_size))
-    if dist.get_world_size() != ctx.world_size:
-        raise RuntimeError(
-            f"{fn}: the context has world_size={ctx.world_size} but torch's default process "
-            f"group has {dist.get_world_size()} ranks; pass process_group= for a sub-group."
-        )
-    return None
-
-
-def comm_device(ctx: RunContext) -> torch.device:
-    """The device small bookkeeping tensors must live on for this backend."""
-    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-
-
-def global_rank(ctx: RunContext, group_rank: int) -> int:
-    """Map a rank of `ctx.process_group` to the global rank torch's src arguments take."""
-    if ctx.process_group is None:
-        return group_rank
-    return dist.get_global_rank(ctx.process_group, group_rank)
-
-
-@contextmanager
-def named_collective(ctx: RunContext, fn: str) -> Iterator[None]:
-    """Re-raise a failing torch.distributed call with the accel call and rank that made it."""
-    try:
-        yield
-    except RuntimeError as err:  # DistBackendError and gloo/nccl timeouts subclass RuntimeError
-        text = str(err)
-        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        what = f"timed out after {ctx.timeout}" if timed_out else "failed"
-        raise RuntimeError(
-            f"{fn}: collective {what} on rank {ctx.rank} of world_size={ctx.world_size}; "
-            "another rank is probably not calling the same collective (or has died). "
-            f"torch.distributed said: {text.splitlines()[0] if text else type(err).__name__}"
-        ) from err
 
 
 def _describe(leaves: Sequence[torch.Tensor], treedef: TreeDef, dim: int | None) -> str:

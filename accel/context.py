@@ -20,6 +20,15 @@ __all__ = ["RunContext"]
 _CPU = torch.device("cpu")
 
 
+def default_device(local_rank: int) -> torch.device:
+    """The device a process with this local rank should use: its GPU, else mps, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
 def _check_index(name: str, value: int, bound_name: str, bound: int) -> None:
     if not 0 <= value < bound:
         raise ValueError(
@@ -117,8 +126,6 @@ class RunContext:
             1
         """
         if "device" not in fields:
-            from accel.distributed import default_device
-
             fields["device"] = default_device(0)
         return cls(**fields)
 

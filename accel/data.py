@@ -25,6 +25,7 @@ from torch.utils.data import (
 
 from accel._shard_plan import ShardBatch, ShardPlan
 from accel._tree import send_to_device, tensor_leaves, unflatten
+from accel.collectives import _pad, gather_leaves
 from accel.context import RunContext
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
@@ -381,8 +382,6 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "with fewer batches than ranks); they cannot join the collective. Use "
             "even_batches=True, or gather after the loop with accel.gather_object."
         )
-    from accel.collectives import _pad, gather_leaves
-
     # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
     # one checked exchange, then keep each rank's real samples.
     longest = max(size for size, _ in layout)

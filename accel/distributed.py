@@ -21,10 +21,10 @@ from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defin
 
 from accel import config as _config
 from accel._exit import die_with_parent, register_exit_guard
+from accel._groups import barrier, comm_device, named_collective, require_group
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._typing import Backend, Precision
-from accel.collectives import comm_device, named_collective, require_group
-from accel.context import RunContext
+from accel.context import RunContext, default_device
 
 __all__ = [
     "any_rank",
@@ -42,15 +42,6 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-
-def default_device(local_rank: int) -> torch.device:
-    """The device a process with this local rank should use: its GPU, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def _as_timeout(value: float | timedelta | None) -> timedelta:
@@ -232,14 +223,7 @@ def wait_for_everyone(ctx: RunContext) -> None:
     Example:
         >>> wait_for_everyone(RunContext())
     """
-    if ctx.world_size == 1:
-        return
-    group = require_group(ctx, "wait_for_everyone")
-    with named_collective(ctx, "wait_for_everyone"):
-        if ctx.backend == "nccl":
-            dist.barrier(group=group, device_ids=[ctx.device.index or 0])
-        else:
-            dist.barrier(group=group)
+    barrier(ctx, "wait_for_everyone")
 
 
 @contextlib.contextmanager

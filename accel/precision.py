@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from accel.context import RunContext
-from accel.model import check_optimizer
+from accel.parallel import check_optimizer
+from accel.parallel._dtensor import is_dtensor
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
@@ -90,6 +91,21 @@ def scaled_backward(
     loss.backward()  # type: ignore[no-untyped-call]
 
 
+def _unscale_before_clip(
+    fn: str, optimizer: torch.optim.Optimizer | None, scaler: GradScaler | None
+) -> None:
+    """Unscale the gradients once per step before clipping them (fp16; nothing without a scaler)."""
+    if scaler is None:
+        return
+    if optimizer is None:
+        raise ValueError(
+            f"{fn}: a scaler was given without optimizer=; pass the optimizer so its gradients "
+            "are unscaled before clipping."
+        )
+    check_optimizer(optimizer)
+    _unscale_once(scaler, optimizer)
+
+
 def _unscale_once(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
     try:
         scaler.unscale_(optimizer)
@@ -157,20 +173,12 @@ def clip_grad_norm_(
     >>> clip_grad_norm_(RunContext.single(), [w], 1.0).item(), w.grad.norm().item() < 1.0
     (5.0, True)
     """
-    if scaler is not None:
-        if optimizer is None:
-            raise ValueError(
-                "clip_grad_norm_: a scaler was given without optimizer=; pass the optimizer so "
-                "its gradients are unscaled before clipping."
-            )
-        check_optimizer(optimizer)
-        _unscale_once(scaler, optimizer)
+    _unscale_before_clip("clip_grad_norm_", optimizer, scaler)
     grads = _grads_of(model)
     if not grads:
         return torch.zeros((), device=ctx.device)
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
-    full = getattr(norm, "full_tensor", None)  # DTensor norm under FSDP2
-    return full() if callable(full) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm  # a DTensor norm under FSDP2
 
 
 def clip_grad_value_(
@@ -192,13 +200,6 @@ def clip_grad_value_(
     >>> w.grad
     tensor([ 1.0000, -0.5000])
     """
-    if scaler is not None:
-        if optimizer is None:
-            raise ValueError(
-                "clip_grad_value_: a scaler was given without optimizer=; pass the optimizer so "
-                "its gradients are unscaled before clipping."
-            )
-        check_optimizer(optimizer)
-        _unscale_once(scaler, optimizer)
+    _unscale_before_clip("clip_grad_value_", optimizer, scaler)
     params = model.parameters() if isinstance(model, nn.Module) else model
     torch.nn.utils.clip_grad_value_(list(params), clip_value)

@@ -311,7 +311,18 @@ class TensorBoardTracker(_OnceTracker):
         super().close()
 
 
-def progress(ctx: RunContext, iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
+def progress(
+    ctx: RunContext,
+    iterable: Iterable[T],
+    *,
+    desc: str | None = None,
+    total: float | None = None,
+    leave: bool = True,
+    unit: str = "it",
+    file: IO[str] | None = None,
+    mininterval: float = 0.1,
+    disable: bool = False,
+) -> Iterable[T]:
     """Show a tqdm progress bar over `iterable` on the main process; iterate plainly elsewhere.
 
     Other ranks (and every rank when `tqdm` is not installed) get `iterable` itself back, so the
@@ -320,7 +331,13 @@ def progress(ctx: RunContext, iterable: Iterable[T], **tqdm_kwargs: Any) -> Iter
     Args:
         ctx: the run context; only `ctx.is_main` shows a bar.
         iterable: what to iterate over (a loader, a range, ...).
-        **tqdm_kwargs: passed to `tqdm.tqdm` (`desc=`, `total=`, `leave=`, ...).
+        desc: the bar's label.
+        total: the number of items, when `iterable` has no `len()`.
+        leave: keep the finished bar on screen.
+        unit: the name of one item.
+        file: where the bar is written (tqdm's default, stderr, when None).
+        mininterval: the least seconds between two redraws.
+        disable: show no bar (and still iterate).
 
     Returns:
         A tqdm bar wrapping `iterable` on the main process, else `iterable` unchanged.
@@ -341,5 +358,14 @@ def progress(ctx: RunContext, iterable: Iterable[T], **tqdm_kwargs: Any) -> Iter
             stacklevel=2,
         )
         return iterable
-    bar: Iterable[T] = tqdm(iterable, **tqdm_kwargs)
+    bar: Iterable[T] = tqdm(
+        iterable,
+        desc=desc,
+        total=total,
+        leave=leave,
+        unit=unit,
+        file=file,
+        mininterval=mininterval,
+        disable=disable,
+    )
     return bar

@@ -57,7 +57,6 @@ def test_sigkill_during_save_always_leaves_a_complete_latest(tmp_path: Path) -> 
     fork = mp.get_context("fork")  # torch is imported already: each child starts at once
     next_step = 1
     latest_steps = []
-    start = time.monotonic()
     for trial in range(TRIALS):
         ready = fork.Event()
         child = fork.Process(target=_saver, args=(str(root), next_step, trial % 2 == 0, ready))
@@ -80,5 +79,4 @@ def test_sigkill_during_save_always_leaves_a_complete_latest(tmp_path: Path) -> 
         assert all(bool((p == float(step)).all()) for p in model.parameters())
         latest_steps.append(step)
         next_step = step + 1000  # distinct names for the next child's saves
-    assert time.monotonic() - start < 90
     assert len(set(latest_steps)) > 1  # some kills landed after a save had published

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accel._crc32 import combine, crc32
+from accel.checkpoint._crc32 import combine, crc32
 
 
 @settings(max_examples=200, deadline=None)

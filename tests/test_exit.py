@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+
+import pytest
 
 from accel._exit import drain_gloo_workers, runnable_threads
 
@@ -29,7 +30,8 @@ def test_runnable_threads_reads_this_process() -> None:
     assert runnable_threads(Path("/proc/self/comm").read_text().strip()) >= 1
 
 
-def test_drain_returns_promptly_without_gloo_threads() -> None:
-    start = time.monotonic()
-    drain_gloo_workers(timeout=5.0)
-    assert time.monotonic() - start < 1.0
+@pytest.mark.timeout(60)
+def test_drain_returns_on_quiet_polls_without_gloo_threads() -> None:
+    # No gloo worker is runnable here, so it must stop after its quiet polls, long before the
+    # 10-minute deadline: a drain that waited for its deadline fails at the test's timeout.
+    drain_gloo_workers(timeout=600.0)

@@ -10,6 +10,7 @@ PUBLIC_API = [
     "DDPOptions",
     "FSDPOptions",
     "JSONLTracker",
+    "LoadResult",
     "PerRank",
     "RankLogger",
     "RunContext",

@@ -7,7 +7,9 @@ python tools/gen_api.py --check  # exit 1 if docs/api.md is out of date
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -17,11 +19,24 @@ import accel.testing
 OUT = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
+def _public_modules() -> dict[str, str]:
+    """Each public name -> the public module whose `__all__` lists it (private modules are
+    never named in the reference)."""
+    owner: dict[str, str] = {}
+    for info in pkgutil.walk_packages(accel.__path__, prefix="accel."):
+        if any(part.startswith("_") for part in info.name.split(".")) or ".cli" in info.name:
+            continue
+        for name in getattr(importlib.import_module(info.name), "__all__", ()):
+            owner[name] = info.name
+    return owner
+
+
 def _entries() -> dict[str, list[tuple[str, object]]]:
     by_module: dict[str, list[tuple[str, object]]] = {}
+    owner = _public_modules()
     for name in sorted(accel.__all__):
         obj = getattr(accel, name)
-        by_module.setdefault(obj.__module__, []).append((name, obj))
+        by_module.setdefault(owner[name], []).append((name, obj))
     by_module["accel.testing"] = [("run_world", accel.testing.run_world)]
     return by_module
 

@@ -80,21 +80,37 @@ def _two_contexts(ctx: RunContext) -> dict[str, Any]:
     return out
 
 
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    """Poll until another rank has written `path` (an event, not a guess at how long it takes)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never appeared")
+        time.sleep(0.001)
+
+
 def _processes(ctx: RunContext, tmp: str) -> dict[str, Any]:
     r, n = ctx.rank, ctx.world_size
     d = Path(tmp)
     out: dict[str, Any] = {}
-    # wait_for_everyone: late ranks arrive after a pause; after the barrier all are there.
-    if r != 0:
-        time.sleep(0.2)
-    (d / f"arrived{r}").write_text("")
+    # wait_for_everyone: the other ranks arrive only once rank 0 is at the barrier, so rank 0
+    # sees their files after it only if the barrier really waited for them (no sleeps).
+    if r == 0:
+        (d / "rank0_at_barrier").write_text("")
+    else:
+        _wait_for(d / "rank0_at_barrier")
+        (d / f"arrived{r}").write_text("")
     wait_for_everyone(ctx)
     out["arrived"] = sorted(p.name for p in d.glob("arrived*"))
-    # main_process_first: rank 0 runs its (slow) body before any other rank starts its own.
+    # main_process_first: rank 0's body runs until every other rank is at the gate; none of
+    # them may enter its own body before rank 0 has left.
+    if r != 0:
+        (d / f"at_gate{r}").write_text("")
     with main_process_first(ctx):
         _append(d / "first.log", f"enter {r}")
         if r == 0:
-            time.sleep(0.3)
+            for k in range(1, n):
+                _wait_for(d / f"at_gate{k}")
         _append(d / "first.log", f"exit {r}")
     # ... and releases the others when its body raises.
     try:
@@ -157,7 +173,7 @@ def _lines(path: Path) -> list[str]:
 
 def test_wait_for_everyone_waits_for_late_ranks(world: Any) -> None:
     n, _, results = world
-    assert [res["arrived"] for res in results] == [sorted(f"arrived{k}" for k in range(n))] * n
+    assert [res["arrived"] for res in results] == [sorted(f"arrived{k}" for k in range(1, n))] * n
 
 
 def test_main_process_first_orders_bodies_and_survives_a_raise(world: Any) -> None:

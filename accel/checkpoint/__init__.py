@@ -4,7 +4,7 @@
 tools read. `save_state` / `load_state` hold everything a run needs to resume exactly (model,
 optimizer, scheduler, scaler, loader position, RNG states of every rank, any object with
 `state_dict`/`load_state_dict`). `save_checkpoint` / `latest_checkpoint` number, rotate and find
-them, optionally writing in the background. Every save goes through `accel._atomic`: it is
+them, optionally writing in the background. Every save goes through `_atomic`: it is
 either complete under its final name or absent.
 """
 
@@ -17,7 +17,6 @@ import re
 import shutil
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,15 +24,27 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from accel import _atomic, _dcp
-from accel._checkpoint_files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
-from accel._model_io import check_against_model, dedupe_tied, parse_size, shard_name, split_shards
-from accel._safetensors_io import read_file, write_file
+from accel._groups import barrier, require_group
+from accel._size import parse_size
+from accel._version import __version__
+from accel.checkpoint import _atomic, _dcp
+from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
+from accel.checkpoint._model_io import (
+    check_against_model,
+    dedupe_tied,
+    load_full_state,
+    shard_name,
+    split_shards,
+)
+from accel.checkpoint._safetensors_io import read_file, write_file
+from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.context import RunContext
-from accel.model import unwrap_model
+from accel.parallel import unwrap_model
+from accel.parallel._dtensor import has_dtensors
 
 __all__ = [
     "CheckpointHandle",
+    "LoadResult",
     "PerRank",
     "latest_checkpoint",
     "load_checkpoint_in_model",
@@ -47,19 +58,6 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _SAVE_THREAD = "accel-checkpoint-save"
-
-
-@dataclass(frozen=True, slots=True)
-class PerRank:
-    """Mark an object whose state differs between ranks, so every rank saves its own copy.
-
-    By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
-    equal). Wrap what is not replicated, such as gradients accumulated under DDP's `no_sync`:
-    `save_state(ctx, d, grads=PerRank(grad_holder))`; load with the same wrapper.
-    """
-
-    obj: Any
-    """The object (with `state_dict`/`load_state_dict`, or a `torch.Generator`)."""
 
 
 class LoadResult(NamedTuple):
@@ -98,10 +96,10 @@ def save_model(
         ['accel-manifest.json', 'model.safetensors']
     """
     fn = "save_model"
-    max_bytes = parse_size(fn, max_shard_size)
+    max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
-    if _dcp.is_sharded(state.values()):
+    if has_dtensors(state.values()):
         if not full_state_dict:
             raise ValueError(
                 f"{fn}: the model is sharded by FSDP2; saving full weights gathers every "
@@ -118,7 +116,7 @@ def save_model(
     if ctx.is_main:
         _write_model_files(Path(directory), state, max_bytes)
     if ctx.world_size > 1:
-        _barrier(ctx, fn)
+        barrier(ctx, fn)
 
 
 def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
@@ -146,10 +144,15 @@ def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_b
         entries[INDEX_NAME] = list(
             _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
         )
-    manifest = {"format": _atomic.FORMAT, "torch_version": torch.__version__, "files": entries}
+    manifest = {
+        "format": _atomic.FORMAT,
+        "accel_version": __version__,
+        "torch_version": torch.__version__,
+        "files": entries,
+    }
     data = json.dumps(manifest, indent=1).encode()
     _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
-    _atomic.fsync_dir(directory)
+    _atomic.fsync_path(directory)
 
 
 def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
@@ -163,7 +166,6 @@ def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
-    device_map: Mapping[str, Any] | None = None,
     strict: bool = True,
 ) -> LoadResult:
     """Load safetensors weights (a file, an index, or a folder) into `model` in place.
@@ -181,12 +183,6 @@ def load_checkpoint_in_model(
         LoadResult(missing_keys=[], unexpected_keys=[])
     """
     fn = "load_checkpoint_in_model"
-    if device_map is not None:
-        raise NotImplementedError(
-            f"{fn}: device_map={dict(device_map)!r} places modules across devices, which is "
-            "dispatch_checkpoint's job; call accel.dispatch_checkpoint(model, checkpoint, "
-            "device_map=...) instead, or move the model first and pass device_map=None."
-        )
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
@@ -196,29 +192,9 @@ def load_checkpoint_in_model(
         loaded.update(read_file(fn, path, expect))
     inner = unwrap_model(model)
     state = check_against_model(fn, inner, loaded, strict=strict)
-    if _dcp.is_sharded(inner.state_dict().values()):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
-        set_model_state_dict(
-            inner,
-            dict[str, Any](state),
-            options=StateDictOptions(full_state_dict=True, strict=strict),
-        )
-    else:
-        inner.load_state_dict(state, strict=False)
+    load_full_state(inner, state, strict=strict)
     own = inner.state_dict().keys()
     return LoadResult(sorted(own - state.keys()), sorted(loaded.keys() - own))
-
-
-def _barrier(ctx: RunContext, fn: str) -> None:
-    import torch.distributed as dist
-
-    from accel.collectives import require_group
-
-    dist.barrier(group=require_group(ctx, fn))
 
 
 # ---------------------------------------------------------------------------------- state
@@ -266,7 +242,6 @@ def _start_save(
     blocking: bool,
     after_publish: Callable[[], None] | None = None,
 ) -> CheckpointHandle:
-    from accel._state_io import classify, finish, snapshot, write_rank_files
 
     plan = classify(fn, objects)
     _wait_for_previous_saves()
@@ -275,7 +250,7 @@ def _start_save(
     if ctx.is_main:
         _atomic.fresh_staging(final)
     if ctx.world_size > 1:
-        _barrier(ctx, fn)
+        barrier(ctx, fn)
     if plan.dcp_models:  # a collective: runs in the caller's thread, before any background work
         models = dict(plan.dcp_models)
         optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
@@ -296,7 +271,7 @@ def _start_save(
     if blocking:
         job()
         if ctx.world_size > 1:
-            _barrier(ctx, fn)  # every rank returns only once the checkpoint is published
+            barrier(ctx, fn)  # every rank returns only once the checkpoint is published
         return CheckpointHandle(final, None)
     handle = CheckpointHandle(final, None)
 
@@ -313,11 +288,7 @@ def _start_save(
 
 
 def _group(ctx: RunContext, fn: str) -> Any:
-    if ctx.world_size == 1:
-        return None
-    from accel.collectives import require_group
-
-    return require_group(ctx, fn)
+    return None if ctx.world_size == 1 else require_group(ctx, fn)
 
 
 def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: Any) -> None:
@@ -362,7 +333,6 @@ def load_state(
         >>> load_state(RunContext.single(), d, gen=g)["world_size"], g.initial_seed()
         (1, 1)
     """
-    from accel._state_io import load
 
     fn = "load_state"
     return load(fn, ctx, Path(directory), objects, _group(ctx, fn))

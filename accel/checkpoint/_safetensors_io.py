@@ -23,8 +23,8 @@ from types import MappingProxyType
 
 import torch
 
-from accel._atomic import fsync_file
-from accel._crc32 import crc32
+from accel.checkpoint._atomic import fsync_path
+from accel.checkpoint._crc32 import crc32
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
@@ -152,7 +152,7 @@ def write_file(
 ) -> tuple[int, int]:
     """Write `tensors` (CPU) to `path` and fsync it; return (size, crc32)."""
     pending = start_write(path, tensors, metadata)
-    fsync_file(path)
+    fsync_path(path)
     return pending.result()
 
 

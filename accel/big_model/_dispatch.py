@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from accel import _device_map as dm
-from accel._checkpoint_files import resolve_checkpoint
-from accel._device_map import Device
-from accel._offload import (
+from accel.big_model import _device_map as dm
+from accel.big_model._device_map import Device
+from accel.big_model._hooks import ATTR, Slot, attach, attach_input_move
+from accel.big_model._offload import (
     ST_DTYPES,
     DiskTensor,
     HeaderEntry,
@@ -21,7 +21,7 @@ from accel._offload import (
     write_index,
     write_tensor,
 )
-from accel.hooks import ATTR, Slot, attach, attach_input_move
+from accel.checkpoint._files import resolve_checkpoint
 
 
 def check_unhooked(fn: str, model: nn.Module) -> None:

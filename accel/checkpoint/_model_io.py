@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
 
-_UNITS = MappingProxyType(
-    {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-)
-
-
-def parse_size(fn: str, size: int | str) -> int:
-    """Bytes in `size`: an int, or a string like "5GB", "500MB", "2GiB" (Hugging Face units)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", str(size).upper())
-    if match is None or float(match[1]) <= 0:
-        raise ValueError(
-            f"{fn}: max_shard_size={size!r} is not a positive size; pass bytes as an int or a "
-            "string such as '5GB', '500MB' or '2GiB'."
-        )
-    return int(float(match[1]) * _UNITS[match[2]])
+from accel.parallel._dtensor import is_dtensor, is_sharded
 
 
 def dedupe_tied(
@@ -38,7 +22,7 @@ def dedupe_tied(
         if t.device.type == "meta":
             raise ValueError(f"save_model: tensor {name!r} is on the meta device (no data).")
         key: tuple[object, ...]
-        if hasattr(t, "to_local"):  # an FSDP2 DTensor: tied parameters are the same object
+        if is_dtensor(t):  # a sharded parameter: tied parameters are the same object
             key = ("dtensor", id(t))
         else:
             key = (
@@ -106,3 +90,22 @@ def check_against_model(
             "checkpoint of this model, or pass strict=False to load the matching tensors."
         )
     return {k: v for k, v in state.items() if k in own}
+
+
+def load_full_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+    """Load full (unsharded) tensors into `model`, which may be sharded (FSDP2, TP).
+
+    `state` is already checked against the model (`check_against_model`); a sharded model takes
+    each rank's slice of every full tensor through torch's `set_model_state_dict`.
+    """
+    if not is_sharded(model):
+        model.load_state_dict(state, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import (  # on use: ~1 s to import
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    set_model_state_dict(
+        model, dict[str, Any](state), options=StateDictOptions(full_state_dict=True, strict=strict)
+    )

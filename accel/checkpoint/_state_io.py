@@ -23,15 +23,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel import _atomic, _dcp
-from accel._model_io import check_against_model, dedupe_tied
-from accel._safetensors_io import PendingWrite, read_file, start_write
-from accel._state_codec import decode, encode
+from accel.checkpoint import _atomic, _dcp
+from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
+from accel.checkpoint._safetensors_io import PendingWrite, read_file, start_write
+from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
-from accel.model import unwrap_model
+from accel.parallel import unwrap_model
+from accel.parallel._dtensor import is_sharded
+from accel.seeding import get_rng_state, set_rng_state
 
 RNG = "rng"
 Files = dict[str, tuple[dict[str, torch.Tensor], bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """Mark an object whose state differs between ranks, so every rank saves its own copy.
+
+    By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
+    equal). Wrap what is not replicated, such as gradients accumulated under DDP's `no_sync`:
+    `save_state(ctx, d, grads=PerRank(grad_holder))`; load with the same wrapper.
+    """
+
+    obj: Any
+    """The object (with `state_dict`/`load_state_dict`, or a `torch.Generator`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +65,6 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
 
     Models go through DCP when sharded (saving) or when saved that way (`dcp_names`, loading).
     """
-    from accel.checkpoint import PerRank
 
     kinds: list[tuple[str, str]] = []
     dcp_models: dict[str, nn.Module] = {}
@@ -70,9 +84,7 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
         if isinstance(obj, PerRank):
             kinds.append((name, "per_rank"))
         elif isinstance(obj, nn.Module) and (
-            name in dcp_names
-            if dcp_names is not None
-            else _dcp.is_sharded(unwrap_model(obj).state_dict().values())
+            name in dcp_names if dcp_names is not None else is_sharded(unwrap_model(obj))
         ):
             dcp_models[name] = unwrap_model(obj)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -121,7 +133,6 @@ def _pack(
 
 def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy: bool) -> Files:
     """The files this rank writes: relative stem -> (tensors, JSON bytes)."""
-    from accel.seeding import get_rng_state
 
     files: Files = {}
     for name, kind in plan.kinds:
@@ -154,7 +165,7 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
             )
             written += [path, staging / f"{stem}.json"]
         for path in written:
-            _atomic.fsync_file(path)
+            _atomic.fsync_path(path)
     finally:  # collect every checksum, also to end their threads when a write failed
         sums = {rel: list(p.result()) for rel, p in pending.items()}
     entries.update(sums)
@@ -216,17 +227,7 @@ def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> Non
     if kind == "module":
         inner = unwrap_model(obj)
         full = check_against_model(fn, inner, state, strict=True)
-        if _dcp.is_sharded(inner.state_dict().values()):  # saved unsharded, loading into FSDP2
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-            )
-
-            set_model_state_dict(
-                inner, dict[str, Any](full), options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            inner.load_state_dict(full)
+        load_full_state(inner, full, strict=True)
     elif kind == "generator":
         obj.set_state(state["state"].clone())  # torch reads a view's storage from offset 0
     else:
@@ -267,7 +268,6 @@ def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def _restore_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> None:
-    from accel.seeding import set_rng_state
 
     stem = f"{RNG}/rank{ctx.rank}"
     if _atomic.expected(manifest, f"{stem}.json") is None:

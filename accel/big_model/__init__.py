@@ -3,7 +3,7 @@
 A model larger than any one device is built on the meta device (`init_empty_weights`), planned
 (`infer_device_map`, pure: any `max_memory` works without those devices present), and loaded
 shard by shard (`dispatch_checkpoint`). Modules mapped to "cpu" or "disk" run through hooks
-(accel.hooks) that bring their weights to the execution device only for their forward.
+(accel.big_model._hooks) that bring their weights to the execution device only for their forward.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from accel import _device_map as dm
-from accel._device_map import Device
-from accel._offload import DiskTensor, check_writable, write_index, write_tensor
+from accel.big_model import _device_map as dm
+from accel.big_model._device_map import Device
+from accel.big_model._hooks import remove_hooks
+from accel.big_model._offload import DiskTensor, check_writable, write_index, write_tensor
 
 __all__ = [
     "compute_module_sizes",
@@ -29,6 +30,7 @@ __all__ = [
     "infer_device_map",
     "init_empty_weights",
     "init_on_device",
+    "remove_hooks",
 ]
 
 
@@ -76,7 +78,7 @@ def init_on_device(device: torch.device | str, *, include_buffers: bool = False)
 
 
 @contextmanager
-def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+def init_empty_weights(*, include_buffers: bool = False) -> Iterator[None]:
     """Build a model with no memory: parameters created inside the block live on "meta".
 
     Fill it afterwards with `dispatch_checkpoint` (or `load_state_dict(..., assign=True)`).
@@ -197,7 +199,7 @@ def dispatch_checkpoint(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
-    from accel import _dispatch  # imported on use, to keep `import accel` light
+    from accel.big_model import _dispatch  # imported on use, to keep `import accel` light
 
     fn = "dispatch_checkpoint"
     _dispatch.check_unhooked(fn, model)
@@ -246,7 +248,7 @@ def cpu_offload(
         >>> model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
-    from accel import _dispatch  # imported on use, to keep `import accel` light
+    from accel.big_model import _dispatch  # imported on use, to keep `import accel` light
 
     _dispatch.check_unhooked("cpu_offload", model)
     device = _dispatch.device_arg(execution_device)
@@ -281,7 +283,7 @@ def disk_offload(
         >>> model.weight.device
         device(type='meta')
     """
-    from accel import _dispatch  # imported on use, to keep `import accel` light
+    from accel.big_model import _dispatch  # imported on use, to keep `import accel` light
 
     _dispatch.check_unhooked("disk_offload", model)
     folder = check_writable("disk_offload", offload_dir)

@@ -9,7 +9,6 @@ own metadata classes, so a planted pickle cannot run code.
 from __future__ import annotations
 
 import pickle
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,14 +64,6 @@ def _reader(path: Path) -> Any:
             return metadata
 
     return SafeReader(path)
-
-
-def is_sharded(tensors: Any) -> bool:
-    """True when any of the tensors is a DTensor (an FSDP2 parameter or its optimizer state)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:  # never imported, so nothing is a DTensor; importing it takes ~1 s
-        return False
-    return any(isinstance(t, module.DTensor) for t in tensors)
 
 
 def owner_model(optimizer: torch.optim.Optimizer, models: dict[str, nn.Module]) -> str | None:

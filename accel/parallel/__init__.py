@@ -6,61 +6,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from accel.context import RunContext
+from accel.parallel._ddp import DDPOptions, apply_ddp
+from accel.parallel._fsdp import REPLACED, FSDPOptions, apply_fsdp2
 
 __all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
 
 Strategy = Literal["auto", "none", "ddp", "fsdp2"]
 
-# Attribute set on parameters that FSDP2 replaced by sharded ones: an optimizer still holding
-# them would update tensors the model no longer uses.
-_REPLACED = "_accel_replaced_by_fsdp2"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DDPOptions:
-    """Options passed to `torch.nn.parallel.DistributedDataParallel` (same names and meaning)."""
-
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-    bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FSDPOptions:
-    """How `fully_shard` is applied.
-
-    `layer_classes`: every submodule of these classes becomes its own FSDP2 unit (the usual
-    per-transformer-block policy), sharded before the root. `reshard_after_forward`: free the
-    gathered parameters after forward (less memory, one more all-gather in backward).
-    """
-
-    layer_classes: tuple[type[nn.Module], ...] = ()
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        bad = [
-            c for c in self.layer_classes if not (isinstance(c, type) and issubclass(c, nn.Module))
-        ]
-        if bad:
-            raise ValueError(
-                f"FSDPOptions: layer_classes contains {bad!r}; pass nn.Module subclasses, e.g. "
-                "layer_classes=(TransformerBlock,)."
-            )
-
 
 def _is_wrapped(model: nn.Module) -> str | None:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.fsdp import FSDPModule  # on use: importing FSDP costs start-up time
 
     if isinstance(model, DistributedDataParallel):
         return "DistributedDataParallel"
@@ -119,32 +81,13 @@ def wrap_model(
         strategy = "ddp" if ctx.world_size > 1 else "none"
 
     if strategy == "fsdp2":
-        from accel._fsdp import apply_fsdp2
-
-        wrapped = apply_fsdp2(ctx, model, fsdp or FSDPOptions(), replaced_marker=_REPLACED)
+        wrapped = apply_fsdp2(ctx, model, fsdp or FSDPOptions())
     else:
         model.to(ctx.device)
-        wrapped = _apply_ddp(ctx, model, ddp or DDPOptions()) if strategy == "ddp" else model
+        wrapped = apply_ddp(ctx, model, ddp or DDPOptions()) if strategy == "ddp" else model
     if compile:
         wrapped = torch.compile(wrapped)  # type: ignore[assignment]
     return wrapped
-
-
-def _apply_ddp(ctx: RunContext, model: nn.Module, options: DDPOptions) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from accel.collectives import require_group
-
-    group = require_group(ctx, "wrap_model")
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # Pass only what differs from DDP's defaults, so a renamed option warns only when used.
-    defaults = DDPOptions()
-    kwargs: dict[str, Any] = {
-        f.name: getattr(options, f.name)
-        for f in dataclasses.fields(options)
-        if getattr(options, f.name) != getattr(defaults, f.name)
-    }
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **kwargs)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -159,7 +102,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if inner is None and type(model).__name__ == "DistributedDataParallel":
+        if inner is None and isinstance(model, DistributedDataParallel):
             inner = model.module
         if not isinstance(inner, nn.Module):
             return model
@@ -177,7 +120,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, _REPLACED, False):
+            if getattr(p, REPLACED, False):
                 raise ValueError(
                     "The optimizer was created before wrap_model(..., strategy='fsdp2') and "
                     "holds the parameters FSDP2 replaced, so it would train nothing. Create it "

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from accel._crc32 import crc32
+from accel._version import __version__
+from accel.checkpoint._crc32 import crc32
 
 MANIFEST = "accel-manifest.json"
 FORMAT = 1
@@ -31,8 +32,8 @@ def staging_dir(final: Path) -> Path:
     return final.parent / f".{final.name}{_PARTIAL}"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the directory's entries (created, renamed files) durable."""
+def fsync_path(path: Path) -> None:
+    """Make a written file's data, or a directory's entries (created, renamed files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -44,19 +45,9 @@ def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> tuple[int, in
     """Write (and by default fsync) a small file; return (size, crc32)."""
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+    if fsync:
+        fsync_path(path)
     return len(data), zlib.crc32(data)
-
-
-def fsync_file(path: Path) -> None:
-    """Make a written file's data durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checksum_file(path: Path) -> tuple[int, int]:
@@ -85,18 +76,16 @@ def publish(
     staging: Path, final: Path, entries: dict[str, list[int]], info: dict[str, Any]
 ) -> None:
     """Write the manifest, fsync, and rename `staging` to `final` (replacing an old `final`)."""
-    import accel
-
     manifest = {
         "format": FORMAT,
-        "accel_version": getattr(accel, "__version__", "0.1.0"),
+        "accel_version": __version__,
         "torch_version": torch.__version__,
         **info,
         "files": dict(sorted(entries.items())),
     }
     write_bytes(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
     for sub in sorted({p.parent for p in staging.rglob("*")} | {staging}, reverse=True):
-        fsync_dir(sub)
+        fsync_path(sub)
     old = final.parent / f".{final.name}.old"
     if final.exists():
         # Not atomic for a directory saved twice under one name: between the two renames the
@@ -105,7 +94,7 @@ def publish(
             shutil.rmtree(old)
         final.rename(old)
     staging.rename(final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     if old.exists():
         shutil.rmtree(old)
 

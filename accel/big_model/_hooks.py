@@ -15,10 +15,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from accel._offload import DiskTensor
 from accel._tree import send_to_device
-
-__all__ = ["remove_hooks"]
+from accel.big_model._offload import DiskTensor
 
 ATTR = "_accel_offload_hooks"
 

@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._groups import require_group
 from accel.context import RunContext
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from accel.model import FSDPOptions
+# Attribute set on parameters that FSDP2 replaced by sharded ones: an optimizer still holding
+# them would update tensors the model no longer uses.
+REPLACED = "_accel_replaced_by_fsdp2"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPOptions:
+    """How `fully_shard` is applied.
+
+    `layer_classes`: every submodule of these classes becomes its own FSDP2 unit (the usual
+    per-transformer-block policy), sharded before the root. `reshard_after_forward`: free the
+    gathered parameters after forward (less memory, one more all-gather in backward).
+    """
+
+    layer_classes: tuple[type[nn.Module], ...] = ()
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [
+            c for c in self.layer_classes if not (isinstance(c, type) and issubclass(c, nn.Module))
+        ]
+        if bad:
+            raise ValueError(
+                f"FSDPOptions: layer_classes contains {bad!r}; pass nn.Module subclasses, e.g. "
+                "layer_classes=(TransformerBlock,)."
+            )
 
 
 def _mesh(ctx: RunContext) -> DeviceMesh:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from accel.collectives import require_group
 
     if ctx.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
@@ -33,9 +58,7 @@ def _mesh(ctx: RunContext) -> DeviceMesh:
     return DeviceMesh.from_group(group, ctx.device.type)
 
 
-def apply_fsdp2(
-    ctx: RunContext, model: nn.Module, options: FSDPOptions, *, replaced_marker: str
-) -> nn.Module:
+def apply_fsdp2(ctx: RunContext, model: nn.Module, options: FSDPOptions) -> nn.Module:
     """Shard each `options.layer_classes` module, then the root, on ctx's devices."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -70,5 +93,5 @@ def apply_fsdp2(
     current = {id(p) for p in model.parameters()}
     for p in originals:
         if id(p) not in current:
-            setattr(p, replaced_marker, True)
+            setattr(p, REPLACED, True)
     return model

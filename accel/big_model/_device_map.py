@@ -7,14 +7,14 @@ plan works with any `max_memory` dict, whether or not those devices exist on thi
 from __future__ import annotations
 
 import os
-import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+
+from accel._size import parse_size
 
 Device = int | str
 """A device-map value: an accelerator index, "cpu" or "disk"."""
@@ -181,12 +181,6 @@ def _too_small(unit: Unit, max_memory: Mapping[Device, int], reserve: int) -> Va
     )
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-UNITS = tuple(_UNITS.items())
-del _UNITS
-
-
 def budgets(fn: str, max_memory: Mapping[Device, int | str] | None) -> dict[Device, int]:
     """Validate budgets (ints or strings like "10GiB"); default: what this machine has free."""
     if max_memory is None:
@@ -203,21 +197,8 @@ def budgets(fn: str, max_memory: Mapping[Device, int | str] | None) -> dict[Devi
                 f"{fn}: max_memory key {device!r} is not a device; use accelerator indices "
                 '(0, 1, ...), "cpu" or "disk".'
             )
-        budgets[device] = _bytes(fn, device, budget)
+        budgets[device] = parse_size(fn, f"max_memory[{device!r}]", budget)
     return budgets
-
-
-def _bytes(fn: str, device: Device, budget: Any) -> int:
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
-        return budget
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(budget))
-    units = dict(UNITS)
-    if isinstance(budget, str) and match and match.group(2).upper() in units:
-        return int(float(match.group(1)) * units[match.group(2).upper()])
-    raise ValueError(
-        f"{fn}: max_memory[{device!r}]={budget!r} is not a size; use bytes (an int >= 0) or a "
-        'string such as "500MB" or "10GiB".'
-    )
 
 
 def _available_memory() -> dict[Device, int]:
