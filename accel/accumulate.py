@@ -20,7 +20,19 @@ __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
 
 def should_sync(step: int, every: int, *, is_last: bool = False) -> bool:
-    """Whether micro-step `step` (counted from 0) ends an accumulation window of `every`.
+    """Tell whether micro-step `step` (counted from 0) ends an accumulation window of `every`.
+
+    Args:
+        step: the micro-step, counted from 0, an int >= 0.
+        every: micro-steps per optimizer step (usually `ctx.grad_accum_steps`), an int >= 1.
+        is_last: this is the last micro-batch of the data, so the window ends early; default
+            False.
+
+    Returns:
+        True when gradients should be synchronised and the optimizer stepped after `step`.
+
+    Raises:
+        ValueError: for `every < 1` or `step < 0`.
 
     Example:
 
@@ -45,7 +57,21 @@ def accumulate(
     On micro-steps that do not end a window of `ctx.grad_accum_steps` (and are not the last batch
     of the data, `is_last`), gradients stay local: DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync(False)`. On the boundary they are all-reduced once; step the
-    optimizer when `sync` is True. Put both forward and backward inside the block.
+    optimizer when `sync` is True. Put both forward and backward inside the block. With
+    `world_size == 1`, or a model that is neither DDP nor FSDP2, nothing is skipped.
+
+    Args:
+        ctx: the run context; `ctx.grad_accum_steps` is the window length.
+        model: the model being trained, as `wrap_model` returned it (a `torch.compile`d one
+            too).
+        step: the micro-step, counted from 0, an int >= 0.
+        is_last: this is the last micro-batch of the data, so sync now; default False.
+
+    Yields:
+        `sync`: True when this micro-step ends a window and the optimizer should step.
+
+    Raises:
+        ValueError: for `step < 0`.
 
     Example:
 
@@ -104,6 +130,21 @@ def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index:
         n = num_items_in_batch(ctx, window)
         scale = ctx.world_size * ctx.grad_accum_steps / n
         loss = F.cross_entropy(logits, y, reduction="sum") * scale
+
+    Args:
+        ctx: the run context; with `world_size > 1` the count is all-reduced. Call it on every
+            rank.
+        batches: the micro-batches: label tensors, or mappings with a "labels" tensor.
+        ignore_index: the label value that is not counted; default -100, as in
+            `F.cross_entropy`.
+
+    Returns:
+        The number of counted labels over all batches and all ranks.
+
+    Raises:
+        TypeError: for a batch that is neither a tensor nor a mapping with a "labels" tensor.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            all-reduce fails.
 
     Example:
 

@@ -143,15 +143,27 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
     """Concatenate every rank's tensors along dim 0, in rank order, on every rank.
 
     0-dim tensors are gathered into a 1-dim tensor of `world_size` values. On one process
-    the input is returned as it is.
+    the input is returned as it is. Call it on every rank.
+
+    Args:
+        ctx: the run context; gathers over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors; every rank passes the
+            same structure, dtypes and shapes (dim 0 too: pad with `pad_across_processes`).
+
+    Returns:
+        The same structure, each tensor replaced by the concatenation of every rank's along
+        dim 0 (rank 0's first).
+
+    Raises:
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        ValueError: when ranks pass different shapes or dtypes (on every rank).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> import torch
         >>> gather(RunContext(), {"x": torch.tensor([1.0, 2.0])})
         {'x': tensor([1., 2.])}
-
-    Raises:
-        ValueError: when ranks pass different shapes or dtypes (on every rank).
     """
     if ctx.world_size == 1:
         return tree
@@ -184,7 +196,23 @@ def gather_leaves(
 def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> TensorTree:
     """Reduce every tensor element-wise over the ranks with `op`; every rank gets the result.
 
-    The inputs are not modified. "mean" needs floating-point tensors.
+    The inputs are not modified. "mean" needs floating-point tensors. Call it on every rank.
+
+    Args:
+        ctx: the run context; reduces over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors, with the same structure,
+            dtypes and shapes on every rank.
+        op: "sum", "mean", "max" or "min"; default "mean".
+
+    Returns:
+        The same structure holding the reduced tensors (new tensors; on one process, `tree`
+        itself).
+
+    Raises:
+        ValueError: for an unknown `op`, or ranks that pass different shapes or dtypes.
+        TypeError: for a leaf that is not a tensor, or `op="mean"` on integer tensors.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> import torch
@@ -224,6 +252,24 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
 def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
     """Return rank `src`'s tensors on every rank (each rank passes same-shaped tensors).
 
+    Call it on every rank; the tensors other ranks pass only give the shapes and dtypes.
+
+    Args:
+        ctx: the run context; broadcasts over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors, with the same structure,
+            dtypes and shapes on every rank.
+        src: the rank (of `ctx.process_group`) whose tensors are sent; default 0.
+
+    Returns:
+        The same structure holding rank `src`'s values (on one process, `tree` itself).
+
+    Raises:
+        ValueError: for a `src` outside `[0, world_size)`, or ranks that pass different
+            shapes or dtypes.
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> import torch
         >>> broadcast(RunContext(), torch.ones(2))
@@ -259,6 +305,26 @@ def pad_across_processes(
     pad_first: bool = False,
 ) -> TensorTree:
     """Pad each tensor along `dim` to the largest size any rank holds, so they can be gathered.
+
+    Only the size along `dim` may differ between ranks. Call it on every rank.
+
+    Args:
+        ctx: the run context; sizes are compared over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors.
+        dim: the tensor dimension to pad; default 0 (negative counts from the end).
+        pad_index: the value the padding is filled with; default 0.
+        pad_first: put the padding before the data instead of after it; default False.
+
+    Returns:
+        The same structure with each tensor padded (a new tensor) or, when it already has the
+        largest size, unchanged; on one process, `tree` itself.
+
+    Raises:
+        ValueError: for a `dim` out of range, or ranks whose shapes differ elsewhere than
+            along `dim`.
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> import torch
@@ -317,6 +383,19 @@ def _pad(t: torch.Tensor, dim: int, size: int, value: int | float, first: bool) 
 def gather_object(ctx: RunContext, obj: T) -> list[T]:
     """Return a list of every rank's `obj`, in rank order (pickled; use `gather` for tensors).
 
+    Call it on every rank.
+
+    Args:
+        ctx: the run context; gathers over `ctx.process_group`.
+        obj: any picklable object.
+
+    Returns:
+        A list of `world_size` objects, rank 0's first; `[obj]` on one process.
+
+    Raises:
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> gather_object(RunContext(), {"loss": 0.5})
         [{'loss': 0.5}]
@@ -332,6 +411,21 @@ def gather_object(ctx: RunContext, obj: T) -> list[T]:
 
 def broadcast_object(ctx: RunContext, obj: T, *, src: int = 0) -> T:
     """Return rank `src`'s `obj` on every rank (pickled; other ranks may pass None).
+
+    Call it on every rank.
+
+    Args:
+        ctx: the run context; broadcasts over `ctx.process_group`.
+        obj: on rank `src`, any picklable object; ignored elsewhere.
+        src: the rank (of `ctx.process_group`) whose object is sent; default 0.
+
+    Returns:
+        Rank `src`'s object (`obj` itself on one process).
+
+    Raises:
+        ValueError: for a `src` outside `[0, world_size)`.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> broadcast_object(RunContext(), [1, 2])

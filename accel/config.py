@@ -213,7 +213,10 @@ def default_config_path() -> Path:
     """Return where `accel config` writes and `accel launch` looks for the config file.
 
     That is `$ACCEL_CONFIG_FILE` if set, else `$XDG_CONFIG_HOME/accel/default_config.yaml`
-    (`~/.config/accel/default_config.yaml` by default).
+    (`~/.config/accel/default_config.yaml` by default). The file need not exist.
+
+    Returns:
+        The path of the default config file.
 
     Example:
         >>> default_config_path().name
@@ -228,6 +231,22 @@ def default_config_path() -> Path:
 
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config file (accel's or Accelerate's).
+
+    Accelerate's spellings are mapped to accel's (`mixed_precision: 'no'` becomes "fp32"), and
+    Accelerate's keys that accel has no use for are ignored. An empty file is the defaults.
+
+    Args:
+        path: the YAML file to read, for example `default_config_path()`.
+
+    Returns:
+        The validated `Config`.
+
+    Raises:
+        FileNotFoundError: when `path` does not exist.
+        ValueError: for invalid YAML, a file that is not a mapping, an unknown key, or a bad
+            value (naming the key).
+        NotImplementedError: for an Accelerate `distributed_type` accel does not support
+            (DeepSpeed, TPU, ...).
 
     Example:
         >>> import tempfile, pathlib

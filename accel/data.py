@@ -289,7 +289,7 @@ def shard_loader(
     non_blocking: bool = False,
     seed: int | None = None,
 ) -> ShardedLoader:
-    """This rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
+    """Return this rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
 
     Batch k of `loader` goes to rank k mod world_size (with `split_batches`, every batch is cut in
     world_size slices instead). With `even_batches` the last round is completed with samples from
@@ -298,6 +298,29 @@ def shard_loader(
     `seed` (default `ctx.seed`, else 0) and the epoch. Batches are moved to `ctx.device` unless
     `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory;
     iterable datasets are read in the main process by every rank, each keeping its slice.
+
+    Args:
+        ctx: the run context; its rank and world size pick the batches, and `ctx.device` is
+            where they go.
+        loader: a torch `DataLoader`; an iterable dataset needs a `batch_size`.
+        even_batches: complete the last round with samples from the start of the epoch, so
+            every rank takes the same number of steps; default True.
+        split_batches: cut each batch of `loader` into `world_size` slices instead of giving
+            whole batches to ranks in turn; the batch size must divide evenly. Default False.
+        device_placement: move each batch's tensors to `ctx.device`; default True.
+        non_blocking: move them with `non_blocking=True` (useful with pinned memory); default
+            False.
+        seed: the shuffling seed shared by every rank; default `ctx.seed`, else 0.
+
+    Returns:
+        A `ShardedLoader` yielding this rank's batches. Each full pass advances its epoch (a
+        new shuffle; `set_epoch` sets it), and `save_state` saves its position to resume
+        mid-epoch.
+
+    Raises:
+        TypeError: for a `loader` that is not a torch `DataLoader`.
+        ValueError: for an iterable dataset without a batch size, or `split_batches` with a
+            batch size that is missing or not divisible by `world_size`.
 
     Example:
 
@@ -343,6 +366,22 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     `even_batches=False`, uneven last batches are padded for the collective and trimmed after.
     Call it on every rank for every batch (also if the loop breaks early: it uses the layout of
     the batch most recently yielded).
+
+    Args:
+        ctx: the run context the loader was made with.
+        tree: this rank's per-sample results for the batch: a tensor, or nested tuples, lists
+            and dicts of tensors, each with the batch on dim 0.
+        loader: the `ShardedLoader` (from `shard_loader`) that yielded the batch.
+
+    Returns:
+        The same structure, each tensor the concatenation of every rank's samples in rank
+        order, without the repeats (on one process, this rank's samples without them).
+
+    Raises:
+        TypeError: for a `loader` that is not a `ShardedLoader`, or a leaf that is not a tensor.
+        ValueError: for a leaf whose dim 0 is not this rank's batch size.
+        RuntimeError: before the loader has yielded a batch, when some rank has no batch in
+            this round (`even_batches=False`), or when the collective fails.
 
     Example:
 

@@ -30,6 +30,9 @@ def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = 
     Returns:
         The seed this process used.
 
+    Raises:
+        ValueError: for a seed that is not a non-negative int.
+
     Example:
         >>> set_seed(0, ctx=RunContext(rank=1, world_size=2))
         1
@@ -49,6 +52,11 @@ def get_rng_state() -> dict[str, Any]:
     """Capture the Python, NumPy, torch and CUDA RNG states of this process.
 
     The result holds only tensors, ints, strings and tuples, so it can be stored without pickle.
+    CUDA states are captured only once CUDA is initialised (this call does not initialise it).
+
+    Returns:
+        A dict with "python", "numpy" and "torch" states, and "cuda" (one state per device,
+        stacked) when CUDA is in use; pass it to `set_rng_state`.
 
     Example:
         >>> state = get_rng_state()
@@ -75,6 +83,12 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore the generators to states captured by `get_rng_state`.
+
+    The CUDA states are restored only when the state has them and CUDA is available.
+
+    Args:
+        state: the dict `get_rng_state` returned (in this process or another with the same
+            number of CUDA devices).
 
     Example:
         >>> state = get_rng_state()
