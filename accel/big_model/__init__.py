@@ -43,6 +43,15 @@ def init_on_device(device: torch.device | str, *, include_buffers: bool = False)
     The block patches `nn.Module.register_parameter` (and `register_buffer`) for its duration;
     build models in it from one thread at a time.
 
+    Args:
+        device: where new parameters go, a `torch.device` or a string such as "meta" or
+            "cuda:0".
+        include_buffers: move buffers registered inside the block to `device` too; default
+            False (they stay where they were created, usually the CPU).
+
+    Yields:
+        None; build the model inside the block.
+
     Example:
         >>> import torch, accel
         >>> with accel.init_on_device("meta"):
@@ -82,6 +91,14 @@ def init_empty_weights(*, include_buffers: bool = False) -> Iterator[None]:
     """Build a model with no memory: parameters created inside the block live on "meta".
 
     Fill it afterwards with `dispatch_checkpoint` (or `load_state_dict(..., assign=True)`).
+    The same as `init_on_device("meta", include_buffers=include_buffers)`.
+
+    Args:
+        include_buffers: put buffers registered inside the block on "meta" too; default False
+            (they stay on the CPU, where computed buffers such as rotary tables are needed).
+
+    Yields:
+        None; build the model inside the block.
 
     Example:
         >>> import torch, accel
@@ -99,6 +116,15 @@ def compute_module_sizes(model: nn.Module, *, dtype: torch.dtype | None = None) 
 
     A tied tensor counts once (at its first name); with `dtype`, floating-point tensors are
     counted at that dtype's size (integer buffers keep theirs). Works on meta models.
+
+    Args:
+        model: the model to measure, on any device including "meta".
+        dtype: count floating-point tensors at this dtype's element size; default None, their
+            own dtype.
+
+    Returns:
+        Module name -> size in bytes of every parameter and buffer under it; "" is the whole
+        model.
 
     Example:
         >>> import torch, accel
@@ -187,6 +213,7 @@ def dispatch_checkpoint(
             tensor or splits tied weights, an unwritable `offload_dir`, budgets too small.
         FileNotFoundError: the checkpoint or a shard does not exist.
         RuntimeError: the model already has offload hooks (call `remove_hooks` first).
+        TypeError: a `device_map` that is neither "auto" nor a mapping.
 
     Example:
         >>> import tempfile, torch, accel
@@ -232,15 +259,20 @@ def dispatch_checkpoint(
 def cpu_offload(
     model: nn.Module, *, execution_device: torch.device | str | int | None = None
 ) -> nn.Module:
-    """Keep `model`'s weights on the CPU and move each module's to `execution_device` only for
-    its forward.
+    """Keep `model`'s weights on the CPU, moving each module's to the execution device per forward.
+
+    Each module's weights go to `execution_device` only for its forward.
 
     Args:
         model: a model in memory.
-        execution_device: where forwards run; default the current CUDA device, else the CPU.
+        execution_device: where forwards run (an int is a CUDA index); default the current
+            CUDA device, else the CPU.
 
     Returns:
         The same model, hooked (undo with `remove_hooks`).
+
+    Raises:
+        RuntimeError: when the model already has offload hooks (call `remove_hooks` first).
 
     Example:
         >>> import torch, accel
@@ -266,16 +298,22 @@ def disk_offload(
     offload_dir: str | os.PathLike[str],
     execution_device: torch.device | str | int | None = None,
 ) -> nn.Module:
-    """Write `model`'s weights to `offload_dir` as numpy memmaps and read each module's back,
-    lazily, only for its forward.
+    """Write `model`'s weights to `offload_dir` as numpy memmaps and read them back per forward.
+
+    Each module's weights are read back lazily, only for its forward.
 
     Args:
         model: a model in memory (its tensors are replaced by meta placeholders).
         offload_dir: a writable folder; it receives one `.dat` per tensor and `index.json`.
-        execution_device: where forwards run; default the current CUDA device, else the CPU.
+        execution_device: where forwards run (an int is a CUDA index); default the current
+            CUDA device, else the CPU.
 
     Returns:
         The same model, hooked (undo with `remove_hooks`).
+
+    Raises:
+        RuntimeError: when the model already has offload hooks (call `remove_hooks` first).
+        ValueError: when `offload_dir` cannot be created or written to.
 
     Example:
         >>> import tempfile, torch, accel

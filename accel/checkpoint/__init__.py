@@ -88,6 +88,17 @@ def save_model(
     FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
     must call then); otherwise use `save_state`, which saves them sharded.
 
+    Args:
+        ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
+        model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
+        directory: the folder to write into; created if missing.
+        max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
+        full_state_dict: gather FSDP2 shards to full weights on every rank; default False.
+
+    Raises:
+        ValueError: for a bad `max_shard_size`, an FSDP2 model without `full_state_dict=True`,
+            or a tensor on the meta device.
+
     Example:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
@@ -174,6 +185,20 @@ def load_checkpoint_in_model(
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
     absolute paths) are refused before any file is opened.
+
+    Args:
+        model: the model to fill, wrapped or not; an FSDP2 model takes each rank's slice.
+        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
+        strict: require the key sets to match; default True (False loads the matching ones).
+
+    Returns:
+        A `LoadResult`: the model's keys the checkpoint lacked and the checkpoint's keys the
+        model lacks, each sorted (both empty when `strict` succeeds).
+
+    Raises:
+        FileNotFoundError: when `checkpoint`, or a file its index names, does not exist.
+        ValueError: for a shape mismatch, key sets that differ under `strict`, a bad index or
+            manifest, or a file whose size or checksum differs from the manifest.
 
     Example:
         >>> import tempfile
@@ -302,6 +327,17 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
     pickled. The directory is written under a temporary name, fsynced with a manifest of sizes
     and crc32 checksums, and renamed into place; call it on every rank.
 
+    Args:
+        ctx: the run context; every rank calls with the same names.
+        directory: the folder to create; an existing one is replaced once the new one is done.
+        **objects: the objects to save, by name; `PerRank(obj)` saves every rank's own copy.
+
+    Raises:
+        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
+        ValueError: for a name reserved for the RNG states.
+        TimeoutError: on rank 0, when a rank's files are missing after `ctx.timeout` (None:
+            30 minutes).
+
     Example:
         >>> import tempfile
         >>> d = Path(tempfile.mkdtemp()) / "state"
@@ -320,10 +356,21 @@ def load_state(
     """Load what `save_state` saved into the given objects, in place, and restore RNG states.
 
     Refuses a directory with no manifest, and any file whose size or checksum differs from the
-    manifest (naming it). FSDP2 state loads at any world size. Call it on every rank.
+    manifest (naming it). FSDP2 state loads at any world size. Call it on every rank. A rank
+    with no saved RNG state (saved by fewer ranks) warns and keeps its own.
+
+    Args:
+        ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
+        directory: a folder written by `save_state` (or `save_checkpoint`).
+        **objects: the objects to load into, in place, by the names they were saved under.
 
     Returns:
         The manifest (`step`, `world_size`, versions, files).
+
+    Raises:
+        FileNotFoundError: when `directory` or its manifest does not exist.
+        ValueError: for a name that was not saved, a file whose size or checksum differs from
+            the manifest, or a model whose shapes or keys differ from the saved one.
 
     Example:
         >>> import tempfile
@@ -353,6 +400,20 @@ def save_checkpoint(
     zero complete checkpoints. With `blocking=False` the call returns once tensors are copied to
     host memory; the write and fsync run in a background thread. The next save (or
     `handle.wait()`) waits for it, and a crash during it leaves the previous checkpoint latest.
+
+    Args:
+        ctx: the run context; call it on every rank.
+        root: the folder of `step-<n>` checkpoints; created if missing.
+        state: name -> object, as `save_state`'s keyword arguments.
+        step: the training step, an int >= 0, which names the folder.
+        keep: how many of the newest complete checkpoints to keep; default None keeps all.
+        blocking: return only once the checkpoint is published; default True.
+
+    Returns:
+        A `CheckpointHandle`; its `wait()` returns the path once durable, or re-raises.
+
+    Raises:
+        ValueError: for a `step` that is not an int >= 0, or a `keep` not None or >= 1.
 
     Example:
         >>> import tempfile
@@ -407,7 +468,15 @@ def _rotate(root: Path, keep: int | None, step: int) -> None:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete `root/step-<n>` checkpoint (manifest present, sizes match), or None.
+    """Find the newest complete `root/step-<n>` checkpoint (manifest present, sizes match).
+
+    Checksums are not read here; `load_state` verifies them.
+
+    Args:
+        root: the folder `save_checkpoint` writes into; it need not exist.
+
+    Returns:
+        The path of the complete checkpoint with the highest step, or None.
 
     Example:
         >>> import tempfile

@@ -53,6 +53,27 @@ def wrap_model(
     `unwrap_model` returns the module you passed. DDP and compile keep it untouched inside;
     FSDP2 shards it in place (its class and parameters change), which is how FSDP2 works.
 
+    Args:
+        ctx: the run context; `ctx.device`, `ctx.process_group` and `ctx.precision` are used.
+        model: the module to train, not wrapped yet.
+        strategy: "auto", "none", "ddp" or "fsdp2", as above; default "auto".
+        compile: apply `torch.compile` to the wrapped model; default False.
+        ddp: options for DistributedDataParallel (strategy "ddp" or "auto"); default None,
+            DDP's defaults.
+        fsdp: options for FSDP2 (strategy "fsdp2"), such as `layer_classes`; default None,
+            only the root is sharded.
+
+    Returns:
+        The model to train: the module itself (strategy "none", or "fsdp2", sharded in place),
+        or a DDP wrapper, and with `compile`, `torch.compile`'s module around that.
+
+    Raises:
+        ValueError: for an unknown `strategy`, a model that is already wrapped, options for
+            another strategy, or "fsdp2" without a process group.
+        TypeError: for a `model` that is not an `nn.Module`.
+        NotImplementedError: for "fsdp2" with precision "fp16".
+        RuntimeError: for "ddp" with `world_size > 1` and no process group initialised.
+
     Example:
 
     >>> from accel import RunContext
@@ -93,6 +114,15 @@ def wrap_model(
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the module the user built, from inside DDP and `torch.compile` wrappers.
 
+    Wrappers nested in any order are all removed. An FSDP2 model is its own module (sharded in
+    place), so it comes back as it is.
+
+    Args:
+        model: a model, wrapped by `wrap_model` or not.
+
+    Returns:
+        The innermost module; `model` itself when it is not wrapped.
+
     Example:
 
     >>> from accel import RunContext
@@ -113,6 +143,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Raise if `optimizer` holds parameters that FSDP2 wrapping replaced.
 
     `optimizer_step` and `clip_grad_norm_` call this; call it yourself when you step by hand.
+
+    Args:
+        optimizer: the optimizer about to be stepped.
+
+    Raises:
+        ValueError: when it was created before `wrap_model(..., strategy="fsdp2")` and holds
+            the parameters that wrapping replaced.
 
     Example:
 
