@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +51,7 @@ def test_no_mutable_module_state(name: str) -> None:
 @pytest.mark.parametrize("name", MODULES)
 def test_public_functions_are_annotated_and_documented(name: str) -> None:
     module = _module(name)
+    undocumented = []
     for attr in getattr(module, "__all__", ()):
         obj = getattr(module, attr)
         if not inspect.isfunction(obj):
@@ -60,7 +62,85 @@ def test_public_functions_are_annotated_and_documented(name: str) -> None:
         ]
         assert not missing, f"{name}.{attr}: parameters {missing} are not annotated"
         assert signature.return_annotation is not inspect.Signature.empty, f"{name}.{attr} return"
-        assert obj.__doc__ and "Example" in obj.__doc__, f"{name}.{attr} needs a docstring example"
+        if lacking := _missing_docstring_sections(obj.__doc__ or "", signature):
+            undocumented.append(f"{attr} lacks {', '.join(lacking)}")
+    assert not undocumented, f"{name} (STYLE.md 9, Google style): " + "; ".join(undocumented)
+
+
+def _missing_docstring_sections(doc: str, signature: inspect.Signature) -> list[str]:
+    """What `doc` lacks of STYLE.md 9: an `Args:` entry per parameter, `Returns:` or `Yields:`
+    unless the function returns None, and an `Example:`."""
+    lines = inspect.cleandoc(doc).splitlines()
+    headers = {line for line in lines if line and not line[0].isspace()}
+    missing = []
+    if signature.parameters:
+        if "Args:" not in headers:
+            missing.append("Args:")
+        else:
+            listed = _args_entries(lines)
+            if absent := [p for p in signature.parameters if p not in listed]:
+                missing.append(f"Args: entries for {absent}")
+    # `from __future__ import annotations` leaves every annotation a string.
+    if signature.return_annotation not in (None, "None") and not headers & {"Returns:", "Yields:"}:
+        missing.append("Returns:/Yields:")
+    if not headers & {"Example:", "Examples:"}:
+        missing.append("Example:")
+    return missing
+
+
+def _args_entries(lines: list[str]) -> set[str]:
+    """The names the `Args:` section describes (`name: ...`, `*args: ...`, `**kwargs: ...`)."""
+    body = lines[lines.index("Args:") + 1 :]
+    body = body[: next((i for i, line in enumerate(body) if line and not line[0].isspace()), None)]
+    indent = min((len(line) - len(line.lstrip()) for line in body if line.strip()), default=0)
+    names = set()
+    for line in body:
+        if line.strip() and len(line) - len(line.lstrip()) == indent:
+            name, colon, _ = line.strip().lstrip("*").partition(":")
+            if colon and name.isidentifier():
+                names.add(name)
+    return names
+
+
+def test_the_docstring_check_finds_missing_sections() -> None:
+    def undocumented(x: int) -> int:
+        """Return `x`."""
+        return x
+
+    def half_documented(x: int, *rest: int, scale: float = 1.0, **options: str) -> int:
+        """Return `x`.
+
+        Args:
+            x: a number,
+                described over two lines.
+            *rest: more numbers.
+            **options: ignored.
+
+        Returns:
+            `x`.
+
+        Example:
+            >>> half_documented(1)
+            1
+        """
+        return x
+
+    def documented(x: int) -> None:
+        """Do nothing with `x`.
+
+        Args:
+            x: ignored.
+
+        Example:
+            >>> documented(1)
+        """
+
+    def check(fn: Any) -> list[str]:
+        return _missing_docstring_sections(fn.__doc__ or "", inspect.signature(fn))
+
+    assert check(undocumented) == ["Args:", "Returns:/Yields:", "Example:"]
+    assert check(half_documented) == ["Args: entries for ['scale']"]
+    assert check(documented) == []
 
 
 def test_init_reexports_exactly_the_public_modules() -> None:
