@@ -320,8 +320,8 @@ def pad_across_processes(
         largest size, unchanged; on one process, `tree` itself.
 
     Raises:
-        ValueError: for a `dim` out of range, or ranks whose shapes differ elsewhere than
-            along `dim`.
+        ValueError: with `world_size > 1`, for a `dim` out of range, or ranks whose shapes
+            differ elsewhere than along `dim`.
         TypeError: for a leaf that is not a tensor (with `world_size > 1`).
         RuntimeError: when `world_size > 1` and no process group is initialised, or the
             collective fails or times out (another rank did not make the same call).

@@ -369,6 +369,7 @@ def load_state(
 
     Raises:
         FileNotFoundError: when `directory` or its manifest does not exist.
+        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
         ValueError: for a name that was not saved, a file whose size or checksum differs from
             the manifest, or a model whose shapes or keys differ from the saved one.
 
@@ -414,6 +415,7 @@ def save_checkpoint(
 
     Raises:
         ValueError: for a `step` that is not an int >= 0, or a `keep` not None or >= 1.
+        TypeError: for an object `save_state` cannot save.
 
     Example:
         >>> import tempfile

@@ -72,7 +72,7 @@ def wrap_model(
             another strategy, or "fsdp2" without a process group.
         TypeError: for a `model` that is not an `nn.Module`.
         NotImplementedError: for "fsdp2" with precision "fp16".
-        RuntimeError: for "ddp" with `world_size > 1` and no process group initialised.
+        RuntimeError: for "ddp" when no process group is initialised.
 
     Example:
 
