@@ -164,7 +164,7 @@ def test_dtype_strings_are_accepted_as_accelerate_accepts_them(
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("dtype", ["bfloat17", "int", 3])
+@pytest.mark.parametrize("dtype", ["bfloat17", "cuda", 3])
 def test_a_dtype_that_is_not_one_is_refused_by_name(
     llama: tuple[LlamaForCausalLM, Path], dtype: object
 ) -> None:
