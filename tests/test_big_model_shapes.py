@@ -4,6 +4,9 @@ containers, in fp32 and bf16, against the same model loaded whole by hand."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 import accel
-from tests.hf_shapes import GPT2LMHead, LlamaForCausalLM, Shape
+from tests.hf_shapes import GPT2LMHead, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 5, 7, 2, 30, 200, 17, 3], [0, 3, 3, 9, 31, 255, 64, 8]])
 
@@ -195,3 +198,34 @@ def test_load_checkpoint_in_model_refuses_to_leave_meta_tensors(
         model = LlamaForCausalLM()  # inv_freq on meta too: no checkpoint holds it
     with pytest.raises(ValueError, match=r"load_checkpoint_in_model: .*inv_freq.*meta"):
         accel.load_checkpoint_in_model(model, folder)
+
+
+# ---- item 2: casting while loading holds no second copy of the checkpoint --------------------
+
+PEAK_CHILD = """
+import json, sys, torch, accel
+from torch import nn
+def vm(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+with accel.init_empty_weights():
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
+start = vm("VmRSS")
+model = accel.dispatch_checkpoint(model, sys.argv[1], device_map={"": "cpu"}, dtype="bfloat16")
+print(json.dumps({"start": start, "peak": vm("VmHWM"), "end": vm("VmRSS")}))
+"""
+
+
+def test_a_bf16_load_of_an_fp32_checkpoint_peaks_at_the_bf16_weights(tmp_path: Path) -> None:
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 134 MB in fp32
+    save_model(model, str(tmp_path / "model.safetensors"))
+    bf16 = sum(p.numel() * 2 for p in model.parameters())
+    del model
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, str(tmp_path)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    # The weights in bf16 (67 MB) plus what one chunk and the allocator take; mapping the fp32
+    # file whole while casting would add its 134 MB.
+    assert report["peak"] - report["start"] <= 1.3 * bf16, (report, bf16)

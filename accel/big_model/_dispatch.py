@@ -172,7 +172,12 @@ def load(
                     where = (str(file), entry.offset, entry.shape, entry.dtype)
                     sources[canonical] = DiskTensor(*where)
                     continue
-                tensor = f.get_tensor(key).to(target)
+                if target == ST_DTYPES[entry.dtype][0]:
+                    tensor = f.get_tensor(key)
+                else:  # cast while reading: never the whole source beside its copy
+                    tensor = DiskTensor(str(file), entry.offset, entry.shape, entry.dtype).read_as(
+                        target
+                    )
                 if device == "disk":
                     if folder is None:
                         raise ValueError(
