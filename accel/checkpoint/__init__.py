@@ -32,6 +32,7 @@ from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
     dedupe_tied,
+    fill,
     load_full_state,
     shard_name,
     split_shards,
@@ -177,10 +178,14 @@ def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
+    device_map: Mapping[str, int | str] | None = None,
     strict: bool = True,
 ) -> LoadResult:
     """Load safetensors weights (a file, an index, or a folder) into `model` in place.
 
+    An empty model (built under `init_empty_weights`) is filled on the CPU, or on the one
+    device of `device_map` (`{"": 0}`, `{"": "cpu"}`); tied weights stay tied and take the
+    dtype the model declares. A map over several devices is `dispatch_checkpoint`'s job.
     Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
@@ -208,6 +213,17 @@ def load_checkpoint_in_model(
         LoadResult(missing_keys=[], unexpected_keys=[])
     """
     fn = "load_checkpoint_in_model"
+    device = None
+    if device_map is not None:
+        devices = set(device_map.values())
+        if len(devices) != 1 or "disk" in devices:
+            raise NotImplementedError(
+                f"{fn}: device_map={dict(device_map)!r} places modules across devices, which "
+                "is dispatch_checkpoint's job; call accel.dispatch_checkpoint(model, "
+                'checkpoint, device_map=...) instead, or pass one device: {"": 0}.'
+            )
+        (one,) = devices
+        device = torch.device("cuda", one) if isinstance(one, int) else torch.device(one)
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
@@ -217,7 +233,10 @@ def load_checkpoint_in_model(
         loaded.update(read_file(fn, path, expect))
     inner = unwrap_model(model)
     state = check_against_model(fn, inner, loaded, strict=strict)
-    load_full_state(inner, state, strict=strict)
+    if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):
+        load_full_state(inner, state, strict=strict)
+    else:
+        fill(fn, inner, state, device or torch.device("cpu"))
     own = inner.state_dict().keys()
     return LoadResult(sorted(own - state.keys()), sorted(loaded.keys() - own))
 
