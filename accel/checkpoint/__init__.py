@@ -178,14 +178,15 @@ def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
-    device_map: Mapping[str, int | str] | None = None,
+    device: torch.device | str | int | None = None,
     strict: bool = True,
 ) -> LoadResult:
     """Load safetensors weights (a file, an index, or a folder) into `model` in place.
 
-    An empty model (built under `init_empty_weights`) is filled on the CPU, or on the one
-    device of `device_map` (`{"": 0}`, `{"": "cpu"}`); tied weights stay tied and take the
-    dtype the model declares. A map over several devices is `dispatch_checkpoint`'s job.
+    An empty model (built under `init_empty_weights`) is filled on the CPU, or on `device`
+    (Accelerate's `device_map={"": 0}` is `device=0`); tied weights stay tied and take the
+    dtype the model declares. With `device`, a real model's tensors move there too. Placing
+    modules across devices is `dispatch_checkpoint`'s job.
     Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
@@ -213,17 +214,9 @@ def load_checkpoint_in_model(
         LoadResult(missing_keys=[], unexpected_keys=[])
     """
     fn = "load_checkpoint_in_model"
-    device = None
-    if device_map is not None:
-        devices = set(device_map.values())
-        if len(devices) != 1 or "disk" in devices:
-            raise NotImplementedError(
-                f"{fn}: device_map={dict(device_map)!r} places modules across devices, which "
-                "is dispatch_checkpoint's job; call accel.dispatch_checkpoint(model, "
-                'checkpoint, device_map=...) instead, or pass one device: {"": 0}.'
-            )
-        (one,) = devices
-        device = torch.device("cuda", one) if isinstance(one, int) else torch.device(one)
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device) if device is not None else None
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
