@@ -178,9 +178,9 @@ def infer_device_map(
 
     Example:
         >>> import torch, accel
-        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])  # 80 B each
-        >>> accel.infer_device_map(model, max_memory={0: 250, "cpu": 200})
-        {'0': 0, '1': 0, '2': 'cpu', '3': 'disk'}
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])  # 80 B each
+        >>> accel.infer_device_map(model, max_memory={0: 250, "cpu": 170})
+        {'0': 0, '1': 0, '2': 'cpu', '3': 'disk', '4': 'disk'}
     """
     fn = "infer_device_map"
     if strategy not in get_args(Strategy):
