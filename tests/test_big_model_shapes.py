@@ -103,6 +103,18 @@ def test_gpt2_with_its_blocks_container_mapped_to_disk(gpt2: tuple[GPT2LMHead, P
     assert model.hf_device_map == device_map
 
 
+def test_a_planned_map_that_sends_the_block_list_to_disk(gpt2: tuple[GPT2LMHead, Path]) -> None:
+    reference, folder = gpt2
+    # The CPU holds the embeddings and keeps room for one block; the blocks go to disk
+    # together, and the planner names their nn.ModuleList (as Accelerate's does).
+    model = accel.dispatch_checkpoint(
+        empty(GPT2LMHead), folder, max_memory={"cpu": 300_000}, no_split=["GPT2Block"]
+    )
+    assert model.hf_device_map["transformer.h"] == "disk"
+    with torch.no_grad():
+        assert torch.equal(model(IDS), reference(IDS))
+
+
 # ---- the equality of whole models, fp32 and bf16, part on disk --------------------------------
 
 
