@@ -209,6 +209,12 @@ def test_disk_is_the_implicit_last_tier() -> None:
     }
 
 
+def test_budgets_without_cpu_get_the_machines_ram_for_it() -> None:
+    # As Accelerate's get_max_memory: 80% of the available RAM, so nothing goes to disk here.
+    assert plan(LinearBNLinear(), {0: 150}) == {"": "cpu"}
+    assert plan(LinearBNLinear(), {0: 150, "cpu": 0}) == {"": "disk"}
+
+
 def test_a_cpu_only_budget_dispatches_the_rest_from_disk(tmp_path: Path) -> None:
     torch.manual_seed(0)
     reference = LinearBNLinear().eval()
