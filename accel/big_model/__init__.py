@@ -174,7 +174,8 @@ def infer_device_map(
         Module or tensor name -> device (an accelerator index, "cpu" or "disk"), in module order.
 
     Raises:
-        ValueError: a bad `max_memory`, `dtype` or `strategy`.
+        ValueError: a bad `max_memory`, `dtype` name or `strategy`.
+        TypeError: a `dtype` that is neither a torch dtype nor a string.
 
     Example:
         >>> import torch, accel
@@ -238,10 +239,12 @@ def dispatch_checkpoint(
 
     Raises:
         ValueError: missing/unexpected keys, a shape mismatch, a device map that misses a
-            tensor or splits tied weights, an unwritable `offload_dir`, budgets too small.
+            tensor or splits tied weights, an unwritable `offload_dir`, a bad `max_memory`,
+            `dtype` or strategy, or a dtype change on disk without `offload_dir`.
         FileNotFoundError: the checkpoint or a shard does not exist.
         RuntimeError: the model already has offload hooks (call `remove_hooks` first).
-        TypeError: a `device_map` that is neither "auto" nor a mapping.
+        TypeError: a `device_map` that is neither a strategy nor a mapping, or a `dtype`
+            that is neither a torch dtype nor a string.
 
     Example:
         >>> import tempfile, torch, accel

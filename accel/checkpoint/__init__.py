@@ -187,6 +187,7 @@ def load_checkpoint_in_model(
     (Accelerate's `device_map={"": 0}` is `device=0`); tied weights stay tied and take the
     dtype the model declares. With `device`, a real model's tensors move there too. Placing
     modules across devices is `dispatch_checkpoint`'s job.
+
     Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
@@ -195,6 +196,8 @@ def load_checkpoint_in_model(
     Args:
         model: the model to fill, wrapped or not; an FSDP2 model takes each rank's slice.
         checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
+        device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
+            model is filled on the CPU, a real one is loaded where its tensors are.
         strict: require the key sets to match; default True (False loads the matching ones).
 
     Returns:
@@ -204,7 +207,8 @@ def load_checkpoint_in_model(
     Raises:
         FileNotFoundError: when `checkpoint`, or a file its index names, does not exist.
         ValueError: for a shape mismatch, key sets that differ under `strict`, a bad index or
-            manifest, or a file whose size or checksum differs from the manifest.
+            manifest, a file whose size or checksum differs from the manifest, or a meta
+            tensor the checkpoint does not hold.
 
     Example:
         >>> import tempfile
