@@ -119,17 +119,39 @@ def _labels(batch: Any) -> torch.Tensor:
     )
 
 
-def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index: int = -100) -> int:
-    """Count the labels that are not `ignore_index` in `batches`, summed over all ranks.
+def num_items_in_batch(
+    ctx: RunContext, batches: Iterable[Any], *, shift: bool, ignore_index: int = -100
+) -> int:
+    """Count the labels the loss will score in `batches`, summed over all ranks.
 
     Pass the micro-batches of one optimizer step (label tensors, or dicts with "labels").
-    For a loss that is the mean over every token of the global batch under accumulation and
-    data parallelism, sum the per-token loss and scale it so DDP's average over ranks and
-    `scaled_backward`'s division by `grad_accum_steps` cancel::
+    `shift` says which labels the loss scores, and has no default because guessing it wrong
+    mis-scales the loss without an error:
 
-        n = num_items_in_batch(ctx, window)
+    - `shift=True`: a causal LM (GPT-2 and every transformers `*ForCausalLM`) predicts token
+      t + 1 from tokens up to t, so it scores `labels[..., 1:]`: the first label of every
+      sequence is never a target;
+    - `shift=False`: the labels are the targets as given (already shifted inputs/targets
+      pairs, classification, masked LM, seq2seq decoder labels).
+
+    Labels equal to `ignore_index` are not counted. For a loss that is the mean over every
+    scored token of the global batch under accumulation and data parallelism, sum the
+    per-token loss and scale it so DDP's average over ranks and `scaled_backward`'s division
+    by `grad_accum_steps` cancel::
+
+        n = num_items_in_batch(ctx, window, shift=True)
         scale = ctx.world_size * ctx.grad_accum_steps / n
-        loss = F.cross_entropy(logits, y, reduction="sum") * scale
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                               reduction="sum") * scale
+
+    Args:
+        ctx: the run context (the count is summed over its ranks).
+        batches: this rank's micro-batches of one optimizer step.
+        shift: count `labels[..., 1:]` (causal LM) instead of every label.
+        ignore_index: the label value that marks a position the loss ignores.
+
+    Returns:
+        The global number of scored labels.
 
     Args:
         ctx: the run context; with `world_size > 1` the count is all-reduced. Call it on every
@@ -149,12 +171,18 @@ def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index:
     Example:
 
     >>> from accel import RunContext
-    >>> num_items_in_batch(RunContext.single(), [torch.tensor([1, -100, 3]), torch.tensor([5])])
+    >>> labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=True)
     3
+    >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=False)
+    5
     """
     count = torch.zeros((), dtype=torch.int64)
     for batch in batches:
-        count += _labels(batch).ne(ignore_index).sum().cpu()
+        labels = _labels(batch)
+        if shift:
+            labels = labels[..., 1:]
+        count += labels.ne(ignore_index).sum().cpu()
     if ctx.world_size > 1:
         group = require_group(ctx, "num_items_in_batch")
         count = count.to(comm_device(ctx))

@@ -19,13 +19,11 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
-from accel._shard_plan import ShardBatch, ShardPlan
-from accel._tree import send_to_device, tensor_leaves, unflatten
-from accel.collectives import _pad, gather_leaves
+from accel._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_indices
+from accel._tree import flatten, send_to_device, tensor_leaves, unflatten
+from accel.collectives import _pad, gather_leaves, gather_object
 from accel.context import RunContext
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
@@ -34,44 +32,15 @@ __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "sh
 Layout = tuple[tuple[int, int], ...]
 
 
-def _epoch_generator(*parts: int) -> torch.Generator:
-    """A generator seeded from `parts` (seed, epoch, ...), the same on every call."""
-    value = 0
-    for part in parts:
-        value = value * 1_000_003 + part
-    # Folded into 64 bits: manual_seed refuses larger integers, which large seeds would reach.
-    return torch.Generator().manual_seed(value % 2**64)
-
-
-def _sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
-    """The sampler's indices for `epoch`, identical on every rank."""
-    if type(sampler) is RandomSampler:
-        # Same permutation on every rank from (seed, epoch): no RNG state to broadcast.
-        n = len(sampler.data_source)
-        if not sampler.replacement and sampler.num_samples == n:
-            # What RandomSampler yields with this generator, without its per-element generator.
-            return torch.randperm(n, generator=_epoch_generator(seed, epoch)).tolist()
-        seeded = RandomSampler(
-            sampler.data_source,
-            replacement=sampler.replacement,
-            num_samples=sampler._num_samples,
-            generator=_epoch_generator(seed, epoch),
-        )
-        return list(seeded)
-    if type(sampler) is SequentialSampler:
-        return list(range(len(sampler.data_source)))
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    return [int(i) for i in sampler]
-
-
 class ShardedLoader:
     """This rank's part of a DataLoader; iterate it like the DataLoader.
 
     It is training state, like an optimizer: it knows its epoch and how many batches it has
-    yielded in it. `set_epoch(e)` chooses the epoch (the order is a function of seed and epoch);
-    after a complete pass the epoch advances by itself. `padding` is how many samples of the
-    batch just yielded repeat earlier ones (0 except in the last round with even_batches).
+    yielded in it. Every `iter()` starts a full pass of the current epoch, as a DataLoader's
+    does; only the first one after `load_state_dict` resumes mid-epoch. `set_epoch(e)` chooses
+    the epoch (the order is a function of seed and epoch); once a pass has yielded its last
+    batch the epoch advances by itself. `padding` is how many samples of the batch just yielded
+    repeat earlier ones (0 except in the last round with even_batches on several processes).
     """
 
     def __init__(
@@ -94,7 +63,10 @@ class ShardedLoader:
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch = 0
         self.position = 0  # batches yielded in this epoch
-        self._last_index = -1  # map-style: index of the last yielded batch in the epoch's plan
+        self._resume = False  # load_state_dict: the next iter() continues from `position`
+        self._pass_over = False  # the last pass ran out: this rank has no current batch
+        # map-style: the epoch's plan for every rank and the index of the last yielded batch
+        self._yielded: tuple[list[list[ShardBatch]], int] | None = None
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
 
@@ -104,9 +76,9 @@ class ShardedLoader:
         loader = self.loader
         batch_sampler = loader.batch_sampler
         if batch_sampler is None:  # batch_size=None: every sample is its own "batch"
-            return [[i] for i in _sampler_indices(loader.sampler, epoch, self._seed)]
+            return [[i] for i in sampler_indices(loader.sampler, epoch, self._seed)]
         if type(batch_sampler) is BatchSampler:
-            indices = _sampler_indices(batch_sampler.sampler, epoch, self._seed)
+            indices = sampler_indices(batch_sampler.sampler, epoch, self._seed)
             size = batch_sampler.batch_size
             batches = [indices[i : i + size] for i in range(0, len(indices), size)]
             if batch_sampler.drop_last and batches and len(batches[-1]) < size:
@@ -126,11 +98,15 @@ class ShardedLoader:
     # -- iteration ---------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` from its first batch at the next iteration."""
+        """Start epoch `epoch` from its first batch at the next iteration.
+
+        Setting the epoch the loader is already in changes nothing, so a resumed run's usual
+        `loader.set_epoch(epoch)` at the top of its loop keeps the loaded position.
+        """
         if epoch < 0:
             raise ValueError(f"set_epoch: epoch={epoch} must be >= 0.")
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self._resume = epoch, 0, False
 
     def __len__(self) -> int:
         if self._iterable:
@@ -140,13 +116,30 @@ class ShardedLoader:
         return len(self._all_ranks(self.epoch)[self.plan.rank])
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._iterate_iterable() if self._iterable else self._iterate_map()
+        # Not a generator function: the pass starts (and the position resets) at iter() itself.
+        if not self._resume:
+            self.position = 0
+        self._resume, self._pass_over = False, False
+        return self._run_pass(self.epoch)
+
+    def _run_pass(self, epoch: int) -> Iterator[Any]:
+        if self._iterable:
+            batches, total = self._iterate_iterable(), -1
+        else:
+            batches, total = self._iterate_map(), len(self._all_ranks(epoch)[self.plan.rank])
+        ended = False
         for batch in batches:
             self.position += 1
             if self._device is not None:
                 batch = send_to_device(batch, self._device, non_blocking=self._non_blocking)
+            if self.position == total:
+                # The last batch: the pass is complete even if nobody asks for the next one
+                # (Accelerate's recipe takes exactly len(loader) batches with next()).
+                self.epoch, self.position, ended = epoch + 1, 0, True
             yield batch
-        self.epoch, self.position = self.epoch + 1, 0
+        if not ended:
+            self.epoch, self.position = epoch + 1, 0
+        self._pass_over = True
 
     def _iterate_map(self) -> Iterator[Any]:
         table = self._all_ranks(self.epoch)
@@ -162,7 +155,7 @@ class ShardedLoader:
         # also gives workers the same seeds after a resume.
         generator = loader.generator
         if generator is None:
-            generator = _epoch_generator(self._seed, self.epoch, self.plan.rank)
+            generator = epoch_generator(self._seed, self.epoch, self.plan.rank)
         common: dict[str, Any] = dict(
             generator=generator,
             num_workers=loader.num_workers,
@@ -186,7 +179,7 @@ class ShardedLoader:
                 loader.dataset, batch_sampler=[list(b.indices) for b in mine[start:]], **common
             )
         for i, batch in enumerate(inner, start):
-            self._last_index = i  # the layout is worked out only when someone asks for it
+            self._yielded = (table, i)  # the layout is worked out only when someone asks for it
             yield batch
 
     def _chunk_size(self) -> int:
@@ -225,7 +218,7 @@ class ShardedLoader:
         if chunk and not self.plan.drop_last:
             num_real = len(chunk)
             cycle = first if first is not None else list(chunk)
-            while len(chunk) < per_chunk:
+            while n > 1 and len(chunk) < per_chunk:  # one process: the short batch as it is
                 chunk += cycle
             if index >= self.position:
                 yield emit(chunk[:per_chunk], num_real)
@@ -235,9 +228,9 @@ class ShardedLoader:
         """(size, padding) on every rank of the batch index this loader yielded last."""
         if self._iterable:
             return self._chunk_layout
-        if self._last_index < 0 or self._table is None:
+        if self._yielded is None:
             return ()
-        i, table = self._last_index, self._table[1]
+        table, i = self._yielded
         return tuple((len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table)
 
     @property
@@ -277,6 +270,7 @@ class ShardedLoader:
                 )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._seed = int(state.get("seed", self._seed))
+        self._resume = True
 
 
 def shard_loader(
@@ -344,7 +338,9 @@ def shard_loader(
         batch_size=loader.batch_size,
         split_batches=split_batches,
         even_batches=even_batches,
-        drop_last=loader.drop_last,
+        # A batch sampler of its own says whether to drop the incomplete round, as Accelerate
+        # reads it (the DataLoader's drop_last is False whenever batch_sampler= is given).
+        drop_last=loader.drop_last or bool(getattr(loader.batch_sampler, "drop_last", False)),
     )
     if seed is None:
         seed = ctx.seed if ctx.seed is not None else 0
@@ -361,11 +357,23 @@ def shard_loader(
 def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> Any:
     """Gather per-sample results of the batch `loader` just yielded; every sample counted once.
 
-    Each leaf must have the batch on dim 0. Ranks' results are concatenated in rank order and
-    the repeats `shard_loader` added to even out the last round are dropped; with
+    `tree` is either a nest of tensors with the batch on dim 0 of each leaf, or a list of Python
+    objects with one item per sample (decoded text). Ranks' results are concatenated in rank
+    order and the repeats `shard_loader` added to even out the last round are dropped; with
     `even_batches=False`, uneven last batches are padded for the collective and trimmed after.
     Call it on every rank for every batch (also if the loop breaks early: it uses the layout of
-    the batch most recently yielded).
+    the batch most recently yielded). With `even_batches=False` a rank can run out of batches
+    before the others; once its pass has ended it calls `gather_for_metrics(ctx, [],
+    loader=loader)` for each round it lacks, and contributes nothing (docs/data.md shows the
+    loop).
+
+    Args:
+        ctx: the run context.
+        tree: this rank's per-sample results of the batch.
+        loader: the `ShardedLoader` the batch came from.
+
+    Returns:
+        Every rank's real samples, in the structure of `tree` (a flat list for objects).
 
     Args:
         ctx: the run context the loader was made with.
@@ -390,37 +398,47 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     >>> loader = shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))
     >>> [gather_for_metrics(ctx, b * 10, loader=loader).tolist() for b in loader]
     [[0, 10], [20, 30], [40]]
+    >>> [gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=loader) for b in loader]
+    [['s0', 's1'], ['s2', 's3'], ['s4']]
     """
+    fn = "gather_for_metrics"
     if not isinstance(loader, ShardedLoader):
         raise TypeError(
-            f"gather_for_metrics: loader={type(loader).__name__} is not a ShardedLoader; pass "
+            f"{fn}: loader={type(loader).__name__} is not a ShardedLoader; pass "
             "the loader returned by shard_loader, which knows which samples are repeats."
         )
-    if not loader._layout:
+    if loader._pass_over:  # past this rank's last batch: others are in a round it has no part in
+        _check_empty(tree)
+        return _gather_sparse(ctx, None, loader._device or torch.device("cpu"))
+    layout = loader._layout
+    if not layout:
         raise RuntimeError(
-            "gather_for_metrics: the loader has not yielded a batch yet; call it inside the "
+            f"{fn}: the loader has not yielded a batch yet; call it inside the "
             "loop over the loader, after each batch."
         )
-    leaves, treedef = tensor_leaves("gather_for_metrics", tree)
-    layout = loader._layout
-    mine = layout[ctx.rank][0]
+    mine, pad = layout[ctx.rank]
+    if _is_object_list(tree):
+        if len(tree) != mine:
+            raise ValueError(
+                f"{fn}: the list of objects has {len(tree)} items but the batch has {mine} "
+                "samples; pass one item per sample of the batch (e.g. one decoded string each)."
+            )
+        if ctx.world_size == 1:
+            return list(tree[: mine - pad])
+        return _gather_sparse(ctx, list(tree[: mine - pad]), torch.device("cpu"))
+    leaves, treedef = tensor_leaves(fn, tree)
     for leaf in leaves:
         if leaf.ndim == 0 or leaf.shape[0] != mine:
             raise ValueError(
-                f"gather_for_metrics: a leaf of shape {tuple(leaf.shape)} has no per-sample "
+                f"{fn}: a leaf of shape {tuple(leaf.shape)} has no per-sample "
                 f"dim 0 of the batch size {mine}. Per-batch values (a mean loss) are not "
                 "per-sample results: use accel.reduce(ctx, value, op='mean') for those."
             )
     if ctx.world_size == 1:
-        real = mine - layout[0][1]
-        return unflatten(treedef, [leaf[:real] for leaf in leaves])
-    if any(size == 0 for size, _ in layout):
-        empty = [r for r, (size, _) in enumerate(layout) if size == 0]
-        raise RuntimeError(
-            f"gather_for_metrics: ranks {empty} have no batch in this round (even_batches=False "
-            "with fewer batches than ranks); they cannot join the collective. Use "
-            "even_batches=True, or gather after the loop with accel.gather_object."
-        )
+        return unflatten(treedef, [leaf[: mine - pad] for leaf in leaves])
+    if any(size == 0 for size, _ in layout):  # ranks past their last batch join with nothing
+        real = (treedef, [leaf[: mine - pad].cpu() for leaf in leaves])
+        return _gather_sparse(ctx, real, leaves[0].device if leaves else torch.device("cpu"))
     # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
     # one checked exchange, then keep each rank's real samples.
     longest = max(size for size, _ in layout)
@@ -428,7 +446,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     hint = (
         "Every rank must pass per-sample results of the same structure, dtypes and trailing shape."
     )
-    everyone = gather_leaves(ctx, "gather_for_metrics", padded, treedef, hint)
+    everyone = gather_leaves(ctx, fn, padded, treedef, hint)
     if all(size - pad == longest for size, pad in layout):  # nothing to drop: no copy
         return unflatten(treedef, everyone)
     out = [
@@ -438,3 +456,33 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
         for g in everyone
     ]
     return unflatten(treedef, out)
+
+
+def _is_object_list(tree: Any) -> bool:
+    """A list of per-sample Python objects (not a nest of tensors)."""
+    return isinstance(tree, list) and not all(isinstance(x, torch.Tensor) for x in flatten(tree)[0])
+
+
+def _check_empty(tree: Any) -> None:
+    leaves = flatten(tree)[0]
+    if leaves and not all(isinstance(x, torch.Tensor) and x.ndim and not len(x) for x in leaves):
+        raise ValueError(
+            "gather_for_metrics: this rank's loop over the loader has ended, so it has no batch "
+            "in this round, but it passed results; a rank past its last batch contributes "
+            "nothing: call gather_for_metrics(ctx, [], loader=loader)."
+        )
+
+
+def _gather_sparse(ctx: RunContext, real: Any, device: torch.device) -> Any:
+    """Every rank's real samples, through one object exchange: for Python objects, and for the
+    rounds in which some ranks have no batch (those send None). Tensors travel on the CPU."""
+    if ctx.world_size == 1:
+        return [] if real is None else real
+    parts = [p for p in gather_object(ctx, real) if p is not None]
+    if not parts:
+        return []
+    if isinstance(parts[0], list):
+        return [item for part in parts for item in part]
+    treedef = parts[0][0]
+    leaves = [torch.cat([p[1][i].to(device) for p in parts]) for i in range(len(parts[0][1]))]
+    return unflatten(treedef, leaves)

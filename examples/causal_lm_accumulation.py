@@ -35,7 +35,8 @@ class TinyGPT(nn.Module):
         self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(max_len, dim)
         self.ln1, self.attn = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim)
         self.ln2, self.mlp = nn.LayerNorm(dim), nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU())
-        self.proj, self.ln_f, self.head = nn.Linear(4 * dim, dim), nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
+        self.proj, self.ln_f = nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
@@ -47,7 +48,10 @@ class TinyGPT(nn.Module):
 
 def sequences(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(1, VOCAB, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
+    return [
+        torch.randint(1, VOCAB, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g)
+        for _ in range(n)
+    ]
 
 
 def pad(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,7 +78,9 @@ def main() -> None:
     reference = copy.deepcopy(model)  # trained below in this one process on the whole batches
     data = sequences(args.samples)
     batch_size = GLOBAL_MICRO_BATCH // ctx.world_size  # the same global micro-batch at any size
-    loader = accel.shard_loader(ctx, DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=pad))
+    loader = accel.shard_loader(
+        ctx, DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=pad)
+    )
     model = accel.wrap_model(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -106,7 +112,11 @@ def main() -> None:
         for p, q in zip(accel.unwrap_model(model).parameters(), reference.parameters(), strict=True)
     )
     verdict = "matches" if diff < 1e-5 else "DIFFERS FROM"
-    print(f"[rank {ctx.rank}] after {args.epochs} epochs the model {verdict} the full-batch reference (max diff {diff:.1e})", flush=True)
+    print(
+        f"[rank {ctx.rank}] after {args.epochs} epochs the model {verdict} the full-batch "
+        f"reference (max diff {diff:.1e})",
+        flush=True,
+    )
     accel.shutdown(ctx)
 
 

@@ -331,6 +331,10 @@ def test_gather_for_metrics_single_process_and_errors() -> None:
         accel.gather_for_metrics(ctx, torch.zeros(2), loader=loader)
     outs = [accel.gather_for_metrics(ctx, {"x": b, "y": b * 2}, loader=loader) for b in loader]
     assert [o["y"].tolist() for o in outs] == [[0, 2], [4, 6], [8]]
+    with pytest.raises(ValueError, match="loop over the loader has ended"):
+        accel.gather_for_metrics(ctx, torch.tensor([0.5]), loader=loader)
+    assert accel.gather_for_metrics(ctx, [], loader=loader) == []
+    next(iter(loader))
     with pytest.raises(ValueError, match=r"use accel\.reduce"):
         accel.gather_for_metrics(ctx, torch.tensor(0.5), loader=loader)
     with pytest.raises(TypeError, match="is not a ShardedLoader"):
@@ -340,7 +344,9 @@ def test_gather_for_metrics_single_process_and_errors() -> None:
 def test_gather_for_metrics_of_python_objects_keeps_each_sample_once() -> None:
     ctx = RunContext.single()
     loader = accel.shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))
-    texts = [accel.gather_for_metrics(ctx, [f"t{i}" for i in b.tolist()], loader=loader) for b in loader]
+    texts = [
+        accel.gather_for_metrics(ctx, [f"t{i}" for i in b.tolist()], loader=loader) for b in loader
+    ]
     assert texts == [["t0", "t1"], ["t2", "t3"], ["t4"]]
     it = iter(loader)
     next(it)

@@ -82,17 +82,18 @@ def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
     # decoded text: every real sample's string once, the repeats of the last round dropped
     texts = accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2))
     res["objects"] = [s for b in texts for s in accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=texts)]
-    # even_batches=False with fewer batches than ranks: ranks past their last batch take part
-    # with nothing, once per round they lack
+    # even_batches=False with fewer batches than ranks: a rank past its last batch takes part
+    # with nothing in each round it lacks
     for kind in ("objects_sparse", "tensors_sparse"):
         sparse = accel.shard_loader(ctx, DataLoader(list(range(3)), batch_size=2), even_batches=False)
-        out: list[Any] = []
-        for b in sparse:
-            got = accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10, loader=sparse)
-            out += got if isinstance(got, list) else got.tolist()
         rounds = max(accel.gather_object(ctx, len(sparse)))
-        for _ in range(rounds - len(sparse)):
-            got = accel.gather_for_metrics(ctx, [], loader=sparse)
+        it, out = iter(sparse), []
+        for _ in range(rounds):
+            b = next(it, None)
+            if b is None:
+                got = accel.gather_for_metrics(ctx, [], loader=sparse)
+            else:
+                got = accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10, loader=sparse)
             out += got if isinstance(got, list) else got.tolist()
         res[kind] = out
     return res
