@@ -339,9 +339,11 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
     their optimizers sharded through torch.distributed.checkpoint), optimizers, schedulers,
     GradScaler, loaders, `torch.Generator`, or anything with `state_dict`/`load_state_dict`.
     Objects are saved once, from rank 0, unless wrapped in `PerRank`; the RNG states of every
-    rank are always saved. Tensors go to safetensors and everything else to JSON: nothing is
-    pickled. The directory is written under a temporary name, fsynced with a manifest of sizes
-    and crc32 checksums, and renamed into place; call it on every rank.
+    rank are always saved, and so are the gradients a model has accumulated inside an
+    accumulation window (each rank its own; `load_state` restores them, or clears stale ones).
+    Tensors go to safetensors and everything else to JSON: nothing is pickled. The directory is
+    written under a temporary name, fsynced with a manifest of sizes and crc32 checksums, and
+    renamed into place; call it on every rank.
 
     Args:
         ctx: the run context; every rank calls with the same names.

@@ -33,6 +33,7 @@ from accel.parallel._dtensor import is_sharded
 from accel.seeding import get_rng_state, set_rng_state
 
 RNG = "rng"
+GRADS = "grads"
 Files = dict[str, tuple[dict[str, torch.Tensor], bytes]]
 
 
@@ -41,8 +42,8 @@ class PerRank:
     """Mark an object whose state differs between ranks, so every rank saves its own copy.
 
     By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
-    equal). Wrap what is not replicated, such as gradients accumulated under DDP's `no_sync`:
-    `save_state(ctx, d, grads=PerRank(grad_holder))`; load with the same wrapper.
+    equal). Wrap what is not replicated: `save_state(ctx, d, state=PerRank(holder))`; load with
+    the same wrapper. (A model's accumulated gradients need no wrapper: they are saved per rank.)
     """
 
     obj: Any
@@ -91,6 +92,15 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
             optimizers.append((name, obj))
         else:
             kinds.append((name, _kind(obj)))
+    if dcp_names is None:  # saving: refuse what would be lost, before any file or collective
+        for name, model in dcp_models.items():
+            if accumulated_grads(model):
+                raise NotImplementedError(
+                    f"{fn}: {name}= is sharded by FSDP2 and holds gradients accumulated inside "
+                    "an accumulation window; saving sharded gradients is not supported, and "
+                    "dropping them would make the resumed run differ. Save after the optimizer "
+                    "step and zero_grad (when accumulate yields sync=True)."
+                )
     dcp_optimizers = []
     for name, opt in optimizers:
         owner = _dcp.owner_model(opt, dcp_models)
@@ -143,8 +153,20 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
         elif ctx.is_main:
             state, aliases = _state_of(kind, objects[name])
             files[name] = _pack(fn, name, state, {"kind": kind, "aliases": aliases}, copy)
+        if kind == "module" and (grads := accumulated_grads(objects[name])):
+            # Inside an accumulation window: every rank's own sums (not reduced yet under DDP).
+            files[_grad_stem(name, ctx.rank)] = _pack(fn, name, grads, {"kind": GRADS}, copy)
     files[f"{RNG}/rank{ctx.rank}"] = _pack(fn, RNG, get_rng_state(), {"kind": RNG}, copy)
     return files
+
+
+def accumulated_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The `.grad` of each parameter that has one (empty outside an accumulation window)."""
+    return {n: p.grad for n, p in unwrap_model(model).named_parameters() if p.grad is not None}
+
+
+def _grad_stem(name: str, rank: int) -> str:
+    return f"{name}/{GRADS}-rank{rank}"
 
 
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
@@ -248,12 +270,49 @@ def load(
         else:
             state, doc = _read(fn, directory, manifest, name)
             _apply(fn, kind, objects[name], state, doc)
+        if kind == "module":
+            _restore_grads(fn, ctx, directory, manifest, name, objects[name])
     if plan.dcp_models:
         _verify_dcp(fn, directory, manifest)
         models = dict(plan.dcp_models)
         _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
     _restore_rng(fn, ctx, directory, manifest)
     return manifest
+
+
+def _restore_grads(
+    fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any], name: str, model: Any
+) -> None:
+    """Give the model the gradients it had when saved: this rank's sums, or none."""
+    params = dict(unwrap_model(model).named_parameters())
+    stem = _grad_stem(name, ctx.rank)
+    saved = any(rel.startswith(f"{name}/{GRADS}-rank") for rel in manifest["files"])
+    if saved and manifest.get("world_size") != ctx.world_size:
+        raise ValueError(
+            f"{fn}: {str(directory)!r} holds the gradients {name!r} accumulated on "
+            f"world_size={manifest.get('world_size')} ranks inside an accumulation window, but "
+            f"this run has world_size={ctx.world_size}; each rank's partial sums cannot be "
+            "split another way. Resume at the saved world size, or save after an optimizer step."
+        )
+    if _atomic.expected(manifest, f"{stem}.json") is None:
+        for p in params.values():  # saved without gradients: stale ones must not survive
+            p.grad = None
+        return
+    grads, _ = _read(fn, directory, manifest, stem)
+    unknown = sorted(set(grads) - set(params))
+    if unknown:
+        raise ValueError(
+            f"{fn}: {str(directory / stem)!r} holds gradients of parameters {unknown[:5]} that "
+            f"{name!r} does not have; load it into the model it was saved from."
+        )
+    for n, p in params.items():
+        g = grads.get(n)
+        if g is None:
+            p.grad = None
+        elif p.grad is not None and p.grad.shape == g.shape:
+            p.grad.copy_(g)  # keep the tensor DDP may use as a bucket view
+        else:
+            p.grad = g.to(device=p.device, dtype=p.dtype)
 
 
 def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:

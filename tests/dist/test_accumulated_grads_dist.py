@@ -84,3 +84,32 @@ def test_resume_inside_an_accumulation_window_matches_the_uninterrupted_run(
     for r in range(world_size):
         assert any("grad" in f and f"rank{r}" in f for f in files1), files1
     assert not any("grad" in f for f in files2), files2
+    if world_size > 1:  # partial per-rank sums cannot move to another world size
+        model, opt, ctx = _setup(accel.RunContext.single(), init_seed=1)
+        with pytest.raises(ValueError, match="accumulated on world_size=2 ranks .* world_size=1"):
+            accel.load_state(ctx, Path(folder, "after1"), model=model, optimizer=opt)
+
+
+def _fsdp_inside_window(ctx: accel.RunContext, folder: str) -> list[str]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    model(torch.randn(3, 4)).sum().backward()
+    errors = []
+    try:
+        accel.save_state(ctx, Path(folder, "fsdp"), model=model)
+    except NotImplementedError as err:
+        errors.append(str(err))
+    model.zero_grad(set_to_none=True)
+    accel.save_state(ctx, Path(folder, "fsdp"), model=model)  # outside a window: saved
+    return errors
+
+
+@pytest.mark.dist
+def test_sharded_gradients_inside_a_window_are_refused_by_name(tmp_path: Path) -> None:
+    errors = run_world(_fsdp_inside_window, world_size=2, timeout=120, args=(str(tmp_path),))
+    for err in errors:
+        assert err and "model= is sharded by FSDP2 and holds gradients accumulated" in err[0]
+    assert (tmp_path / "fsdp" / "accel-manifest.json").is_file()
+    assert not any("grad" in p.name for p in (tmp_path / "fsdp").rglob("*"))
