@@ -409,6 +409,25 @@ def gather_object(ctx: RunContext, obj: T) -> list[T]:
     return out
 
 
+def gather_parts(ctx: RunContext, part: Any, device: torch.device | None) -> Any:
+    """Every rank's `part` concatenated in rank order, through one object exchange.
+
+    A part is a list of Python objects, or `(treedef, leaves)` of tensors concatenated along
+    dim 0 (moved through the CPU, returned on `device`), or None for a rank with nothing to
+    give. For the rounds of gather_for_metrics that some ranks have no batch in.
+    """
+    if isinstance(part, tuple):
+        part = (part[0], [leaf.cpu() for leaf in part[1]])
+    parts = [p for p in gather_object(ctx, part) if p is not None]
+    if not parts:
+        return []
+    if isinstance(parts[0], list):
+        return [item for p in parts for item in p]
+    to = device if device is not None else torch.device("cpu")
+    leaves = [torch.cat([p[1][i] for p in parts]).to(to) for i in range(len(parts[0][1]))]
+    return unflatten(parts[0][0], leaves)
+
+
 def broadcast_object(ctx: RunContext, obj: T, *, src: int = 0) -> T:
     """Return rank `src`'s `obj` on every rank (pickled; other ranks may pass None).
 

@@ -22,8 +22,8 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_indices
-from accel._tree import flatten, send_to_device, tensor_leaves, unflatten
-from accel.collectives import _pad, gather_leaves, gather_object
+from accel._tree import flatten, send_to_device, unflatten
+from accel.collectives import _pad, gather_leaves, gather_parts
 from accel.context import RunContext
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
@@ -408,25 +408,29 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "the loader returned by shard_loader, which knows which samples are repeats."
         )
     if loader._pass_over:  # past this rank's last batch: others are in a round it has no part in
-        _check_empty(tree)
-        return _gather_sparse(ctx, None, loader._device or torch.device("cpu"))
+        return _join_without_batch(ctx, tree, loader)
     layout = loader._layout
     if not layout:
         raise RuntimeError(
             f"{fn}: the loader has not yielded a batch yet; call it inside the "
             "loop over the loader, after each batch."
         )
-    mine, pad = layout[ctx.rank]
-    if _is_object_list(tree):
-        if len(tree) != mine:
+    mine, pad = layout[loader.plan.rank]  # the plan holds this rank's data-parallel place
+    leaves, treedef = flatten(tree)
+    if isinstance(tree, list) and not all(isinstance(x, torch.Tensor) for x in leaves):
+        if len(tree) != mine:  # a list of Python objects, one per sample (decoded text)
             raise ValueError(
                 f"{fn}: the list of objects has {len(tree)} items but the batch has {mine} "
                 "samples; pass one item per sample of the batch (e.g. one decoded string each)."
             )
-        if ctx.world_size == 1:
-            return list(tree[: mine - pad])
-        return _gather_sparse(ctx, list(tree[: mine - pad]), torch.device("cpu"))
-    leaves, treedef = tensor_leaves(fn, tree)
+        real = list(tree[: mine - pad])
+        return real if loader.plan.world_size == 1 else gather_parts(ctx, real, None)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(
+            f"{fn}: tree={type(tree).__name__} mixes tensors and other objects; pass a nest of "
+            "tensors (batch on dim 0), or a list with one Python object per sample, e.g. "
+            "list(zip(predictions, references)) for pairs of decoded strings."
+        )
     for leaf in leaves:
         if leaf.ndim == 0 or leaf.shape[0] != mine:
             raise ValueError(
@@ -434,19 +438,23 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
                 f"dim 0 of the batch size {mine}. Per-batch values (a mean loss) are not "
                 "per-sample results: use accel.reduce(ctx, value, op='mean') for those."
             )
-    if ctx.world_size == 1:
+    if loader.plan.world_size == 1:
         return unflatten(treedef, [leaf[: mine - pad] for leaf in leaves])
     if any(size == 0 for size, _ in layout):  # ranks past their last batch join with nothing
-        real = (treedef, [leaf[: mine - pad].cpu() for leaf in leaves])
-        return _gather_sparse(ctx, real, leaves[0].device if leaves else torch.device("cpu"))
-    # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
-    # one checked exchange, then keep each rank's real samples.
+        real_leaves = [leaf[: mine - pad] for leaf in leaves]
+        return gather_parts(ctx, (treedef, real_leaves), leaves[0].device if leaves else None)
+    return _gather_padded(ctx, leaves, treedef, layout)
+
+
+def _gather_padded(ctx: RunContext, leaves: list[Any], treedef: Any, layout: Layout) -> Any:
+    """Pad every rank's batch to the longest (even_batches=False), gather the whole tree in one
+    checked exchange, then keep each rank's real samples."""
     longest = max(size for size, _ in layout)
     padded = [_pad(leaf, 0, longest, 0, False) for leaf in leaves]
     hint = (
         "Every rank must pass per-sample results of the same structure, dtypes and trailing shape."
     )
-    everyone = gather_leaves(ctx, fn, padded, treedef, hint)
+    everyone = gather_leaves(ctx, "gather_for_metrics", padded, treedef, hint)
     if all(size - pad == longest for size, pad in layout):  # nothing to drop: no copy
         return unflatten(treedef, everyone)
     out = [
@@ -458,31 +466,15 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     return unflatten(treedef, out)
 
 
-def _is_object_list(tree: Any) -> bool:
-    """A list of per-sample Python objects (not a nest of tensors)."""
-    return isinstance(tree, list) and not all(isinstance(x, torch.Tensor) for x in flatten(tree)[0])
-
-
-def _check_empty(tree: Any) -> None:
+def _join_without_batch(ctx: RunContext, tree: Any, loader: ShardedLoader) -> Any:
+    """Take part in a round this rank has no batch in: contribute nothing, get the others'."""
     leaves = flatten(tree)[0]
-    if leaves and not all(isinstance(x, torch.Tensor) and x.ndim and not len(x) for x in leaves):
+    passed = [x for x in leaves if not (isinstance(x, torch.Tensor) and x.ndim and not len(x))]
+    out = gather_parts(ctx, None, loader._device) if loader.plan.world_size > 1 else []
+    if passed:  # after the collective, so the other ranks are not left waiting
         raise ValueError(
             "gather_for_metrics: this rank's loop over the loader has ended, so it has no batch "
             "in this round, but it passed results; a rank past its last batch contributes "
             "nothing: call gather_for_metrics(ctx, [], loader=loader)."
         )
-
-
-def _gather_sparse(ctx: RunContext, real: Any, device: torch.device) -> Any:
-    """Every rank's real samples, through one object exchange: for Python objects, and for the
-    rounds in which some ranks have no batch (those send None). Tensors travel on the CPU."""
-    if ctx.world_size == 1:
-        return [] if real is None else real
-    parts = [p for p in gather_object(ctx, real) if p is not None]
-    if not parts:
-        return []
-    if isinstance(parts[0], list):
-        return [item for part in parts for item in part]
-    treedef = parts[0][0]
-    leaves = [torch.cat([p[1][i].to(device) for p in parts]) for i in range(len(parts[0][1]))]
-    return unflatten(treedef, leaves)
+    return out

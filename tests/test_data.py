@@ -352,6 +352,10 @@ def test_gather_for_metrics_of_python_objects_keeps_each_sample_once() -> None:
     next(it)
     with pytest.raises(ValueError, match="has 3 items but the batch has 2 samples"):
         accel.gather_for_metrics(ctx, ["a", "b", "c"], loader=loader)
+    with pytest.raises(TypeError, match=r"one Python object per sample, e\.g\. list\(zip"):
+        accel.gather_for_metrics(ctx, (["a", "b"], ["c", "d"]), loader=loader)
+    pairs = accel.gather_for_metrics(ctx, [("a", "x"), ("b", "y")], loader=loader)
+    assert pairs == [("a", "x"), ("b", "y")]
 
 
 def test_batches_are_moved_to_the_context_device_unless_asked_not_to() -> None:
