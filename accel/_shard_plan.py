@@ -1,4 +1,7 @@
-"""Which indices each rank reads: pure arithmetic over the batches of one epoch.
+"""Which indices each rank reads: the epoch's sample order, then pure arithmetic over its batches.
+
+The order of a shuffling loader is Accelerate's seedable rule (`sampler_indices`): a
+`torch.Generator` seeded with `seed + epoch`, identical on every rank.
 
 The layout is the one Hugging Face Accelerate's `BatchSamplerShard` and `IterableDatasetShard`
 produce, so a migrating user sees the same samples on the same ranks:
