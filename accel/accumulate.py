@@ -145,23 +145,16 @@ def num_items_in_batch(
                                reduction="sum") * scale
 
     Args:
-        ctx: the run context (the count is summed over its ranks).
-        batches: this rank's micro-batches of one optimizer step.
-        shift: count `labels[..., 1:]` (causal LM) instead of every label.
-        ignore_index: the label value that marks a position the loss ignores.
-
-    Returns:
-        The global number of scored labels.
-
-    Args:
         ctx: the run context; with `world_size > 1` the count is all-reduced. Call it on every
             rank.
-        batches: the micro-batches: label tensors, or mappings with a "labels" tensor.
+        batches: this rank's micro-batches of one optimizer step: label tensors, or mappings
+            with a "labels" tensor.
+        shift: count `labels[..., 1:]` (causal LM) instead of every label.
         ignore_index: the label value that is not counted; default -100, as in
             `F.cross_entropy`.
 
     Returns:
-        The number of counted labels over all batches and all ranks.
+        The global number of scored labels, over all batches and all ranks.
 
     Raises:
         TypeError: for a batch that is neither a tensor nor a mapping with a "labels" tensor.

@@ -368,28 +368,22 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     loop).
 
     Args:
-        ctx: the run context.
-        tree: this rank's per-sample results of the batch.
-        loader: the `ShardedLoader` the batch came from.
-
-    Returns:
-        Every rank's real samples, in the structure of `tree` (a flat list for objects).
-
-    Args:
         ctx: the run context the loader was made with.
         tree: this rank's per-sample results for the batch: a tensor, or nested tuples, lists
-            and dicts of tensors, each with the batch on dim 0.
+            and dicts of tensors, each with the batch on dim 0; or a list of Python objects
+            with one item per sample; `[]` from a rank whose pass has ended.
         loader: the `ShardedLoader` (from `shard_loader`) that yielded the batch.
 
     Returns:
-        The same structure, each tensor the concatenation of every rank's samples in rank
-        order, without the repeats (on one process, this rank's samples without them).
+        Every rank's real samples in rank order, without the repeats: the structure of `tree`
+        for tensors, a flat list for Python objects (on one process, this rank's samples).
 
     Raises:
-        TypeError: for a `loader` that is not a `ShardedLoader`, or a leaf that is not a tensor.
-        ValueError: for a leaf whose dim 0 is not this rank's batch size.
-        RuntimeError: before the loader has yielded a batch, when some rank has no batch in
-            this round (`even_batches=False`), or when the collective fails.
+        TypeError: for a `loader` that is not a `ShardedLoader`, or a tree mixing tensors and
+            other objects.
+        ValueError: for a leaf whose dim 0, or a list whose length, is not this rank's batch
+            size, or results passed by a rank whose pass has ended.
+        RuntimeError: before the loader has yielded a batch, or when the collective fails.
 
     Example:
 

@@ -73,6 +73,8 @@ def _missing_docstring_sections(doc: str, signature: inspect.Signature) -> list[
     lines = inspect.cleandoc(doc).splitlines()
     headers = {line for line in lines if line and not line[0].isspace()}
     missing = []
+    sections = ("Args:", "Returns:", "Yields:", "Raises:", "Example:", "Examples:")
+    missing += [f"one {h} (it has {lines.count(h)})" for h in sections if lines.count(h) > 1]
     if signature.parameters:
         if "Args:" not in headers:
             missing.append("Args:")
@@ -141,6 +143,10 @@ def test_the_docstring_check_finds_missing_sections() -> None:
     assert check(undocumented) == ["Args:", "Returns:/Yields:", "Example:"]
     assert check(half_documented) == ["Args: entries for ['scale']"]
     assert check(documented) == []
+    twice = "Do nothing.\n\nArgs:\n    x: ignored.\n\nArgs:\n    x: again.\n\nExample:\n    >>> 1\n"
+    assert _missing_docstring_sections(twice, inspect.signature(documented)) == [
+        "one Args: (it has 2)"
+    ]
 
 
 def test_init_reexports_exactly_the_public_modules() -> None:
