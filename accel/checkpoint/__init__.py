@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -39,6 +38,7 @@ from accel.checkpoint._model_io import (
 )
 from accel.checkpoint._safetensors_io import read_file, write_file
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
+from accel.collectives import broadcast_object
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import has_dtensors
@@ -285,29 +285,34 @@ def _start_save(
 ) -> CheckpointHandle:
 
     plan = classify(fn, objects)
+    replace = _atomic.check_target(fn, final)  # on every rank: they all refuse alike
     _wait_for_previous_saves()
     group = _group(ctx, fn)
-    staging = _atomic.staging_dir(final)
+    staging = _atomic.sibling(final, "partial")
     if ctx.is_main:
-        _atomic.fresh_staging(final)
-    if ctx.world_size > 1:
-        barrier(ctx, fn)
-    if plan.dcp_models:  # a collective: runs in the caller's thread, before any background work
-        models = dict(plan.dcp_models)
-        optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
-        _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
-    files = snapshot(fn, ctx, plan, objects, copy=not blocking)
+        _atomic.sweep(final.parent)
+        with _atomic.removed_on_failure(fn, staging, final):
+            staging.mkdir(parents=True)
+    if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
+        staging = Path(broadcast_object(ctx, str(staging)))
+    with _atomic.removed_on_failure(fn, staging, final):
+        if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
+            models = dict(plan.dcp_models)
+            optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
+            _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
+        files = snapshot(fn, ctx, plan, objects, copy=not blocking)
     names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
     names += [n for n, _, _ in plan.dcp_optimizers]
     info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
     timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
 
     def job() -> None:
-        write_rank_files(staging, ctx.rank, files)
-        if ctx.is_main:
-            finish(staging, final, ctx.world_size, info, timeout_s)
-            if after_publish is not None:
-                after_publish()
+        with _atomic.removed_on_failure(fn, staging, final):
+            write_rank_files(staging, ctx.rank, files)
+            if ctx.is_main:
+                finish(fn, staging, final, ctx.world_size, info, timeout_s, replace=replace)
+        if ctx.is_main and after_publish is not None:
+            after_publish()
 
     if blocking:
         job()
@@ -449,42 +454,59 @@ def save_checkpoint(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
     root_path = Path(root)
-    root_path.mkdir(parents=True, exist_ok=True)
     final = root_path / f"step-{step}"
-    rotate = (lambda: _rotate(root_path, keep, step)) if keep is not None else None
+    _atomic.check_target(fn, final)
+    root_path.mkdir(parents=True, exist_ok=True)
+    rotate = None if keep is None else partial(_rotate, root_path, keep, step)
     return _start_save(
         fn, ctx, final, dict(state), info={"step": step}, blocking=blocking, after_publish=rotate
     )
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for path in root.iterdir() if root.is_dir() else ():
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and _is_complete(path):
-            found.append((int(match[1]), path))
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            f"latest_checkpoint: root={str(root)!r} is a file, not a folder of step-<n> "
+            "checkpoints. Pass the folder given to save_checkpoint."
+        )
+    # A writer with keep= may publish step n+1 and rotate step n away between the listing and
+    # the checks: when every listed checkpoint vanished that way, list again.
+    for _ in range(100):
+        found, vanished = [], False
+        for path in root.iterdir() if root.is_dir() else ():
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and _is_complete(path):
+                found.append((int(match[1]), path))
+            vanished = vanished or (match is not None and not path.exists())
+        if found or not vanished:
+            break
     return sorted(found)
 
 
 def _is_complete(path: Path) -> bool:
     try:
         manifest = _atomic.read_manifest("latest_checkpoint", path)
-    except (FileNotFoundError, ValueError):
+        for rel, (size, _) in manifest["files"].items():
+            if (path / rel).stat().st_size != size:
+                logger.debug("skipping %s: %s has not the size its manifest records", path, rel)
+                return False
+    except (OSError, ValueError) as err:  # incomplete, damaged, or rotated away meanwhile
+        logger.debug("skipping %s: %s", path, err)
         return False
-    for rel, entry in manifest["files"].items():
-        file = path / rel
-        if not file.is_file() or file.stat().st_size != int(entry[0]):
-            return False
     return True
 
 
-def _rotate(root: Path, keep: int | None, step: int) -> None:
-    if keep is None:
-        return
-    complete = _complete_steps(root)
-    for old_step, path in complete[:-keep]:
-        if old_step != step:
-            shutil.rmtree(path)
+def _rotate(root: Path, keep: int, step: int) -> None:
+    for old_step, path in _complete_steps(root)[:-keep]:
+        if old_step == step:
+            continue
+        # Renamed first, so a kill during the deletion leaves a name the next save removes.
+        doomed = _atomic.sibling(path, "deleting")
+        try:
+            path.rename(doomed)
+        except FileNotFoundError:
+            continue  # another writer rotated it away already
+        _atomic.remove_tree(doomed)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -497,6 +519,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
     Returns:
         The path of the complete checkpoint with the highest step, or None.
+
+    Folders that are incomplete or damaged are skipped (logged at debug level); a `root` that
+    does not exist yet gives None, one that is a file raises NotADirectoryError.
 
     Example:
         >>> import tempfile
