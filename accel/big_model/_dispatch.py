@@ -16,12 +16,11 @@ from accel.big_model._offload import (
     ST_DTYPES,
     DiskTensor,
     HeaderEntry,
-    read_header,
     write_index,
     write_tensor,
 )
 from accel.big_model._planner import Device
-from accel.checkpoint._files import resolve_checkpoint
+from accel.checkpoint._files import resolve_checkpoint, verified_headers
 
 
 def check_unhooked(fn: str, model: nn.Module) -> None:
@@ -103,10 +102,11 @@ def checkpoint_entries(
 ) -> dict[str, tuple[Path, HeaderEntry]]:
     files = resolve_checkpoint(fn, checkpoint)
     entries: dict[str, tuple[Path, HeaderEntry]] = {}
-    for file in files.files:
-        for key, entry in read_header(file).items():
+    # The shared parser: bounded, validated headers; sizes and crc32 when a manifest is there.
+    for file, header in verified_headers(fn, files).items():
+        for key, t in header.tensors.items():
             if files.weight_map is None or files.weight_map.get(key) == file:
-                entries[key] = (file, entry)
+                entries[key] = (file, HeaderEntry(t.dtype, t.shape, header.data_start + t.begin))
     return entries
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,23 +94,6 @@ class HeaderEntry:
     shape: tuple[int, ...]
     offset: int
     """Absolute byte offset of the data in the file."""
-
-
-def read_header(path: Path) -> dict[str, HeaderEntry]:
-    """Parse a safetensors file's header (8-byte length + JSON) without reading any data."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    start = 8 + length
-    return {
-        name: HeaderEntry(
-            dtype=info["dtype"],
-            shape=tuple(info["shape"]),
-            offset=start + info["data_offsets"][0],
-        )
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
 
 
 def write_tensor(folder: Path, name: str, tensor: torch.Tensor) -> DiskTensor:

@@ -10,7 +10,6 @@ either complete under its final name or absent.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,18 +24,15 @@ from torch import nn
 
 from accel._groups import barrier, require_group
 from accel._size import parse_size
-from accel._version import __version__
 from accel.checkpoint import _atomic, _dcp
-from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
+from accel.checkpoint._files import resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
-    dedupe_tied,
     fill,
     load_full_state,
-    shard_name,
-    split_shards,
+    write_model_files,
 )
-from accel.checkpoint._safetensors_io import read_file, write_file
+from accel.checkpoint._safetensors_io import read_file
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.collectives import broadcast_object
 from accel.context import RunContext
@@ -126,52 +122,9 @@ def save_model(
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(inner, options=options)
     if ctx.is_main:
-        _write_model_files(Path(directory), state, max_bytes)
+        write_model_files(Path(directory), state, max_bytes)
     if ctx.world_size > 1:
         barrier(ctx, fn)
-
-
-def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
-    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    shards = split_shards(tensors, max_bytes)
-    directory.mkdir(parents=True, exist_ok=True)
-    names = (
-        [SINGLE_NAME]
-        if len(shards) == 1
-        else [shard_name(i, len(shards)) for i in range(len(shards))]
-    )
-    meta = {"format": "pt"}
-    entries: dict[str, list[int]] = {}
-    for name, shard in zip(names, shards, strict=True):
-        entries[name] = list(
-            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
-        )
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {
-            "metadata": {"total_size": total, "tied": aliases},
-            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
-        }
-        data = json.dumps(index, indent=2).encode()
-        entries[INDEX_NAME] = list(
-            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
-        )
-    manifest = {
-        "format": _atomic.FORMAT,
-        "accel_version": __version__,
-        "torch_version": torch.__version__,
-        "files": entries,
-    }
-    data = json.dumps(manifest, indent=1).encode()
-    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
-    _atomic.fsync_path(directory)
-
-
-def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
-    partial = path.with_name(f".{path.name}.partial")
-    result = write(partial)
-    partial.replace(path)  # atomic: readers see the old file or the new one, never half
-    return result
 
 
 def load_checkpoint_in_model(

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from accel._version import __version__
+from accel.checkpoint import _atomic
+from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME
+from accel.checkpoint._safetensors_io import write_file
 from accel.parallel._dtensor import is_dtensor, is_sharded
+
+# The files save_model writes (and so may remove when it writes another layout); nothing else.
+_OWN_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def dedupe_tied(
@@ -154,3 +165,54 @@ def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
     module, attr, _ = member
     t = module._parameters.get(attr)
     return t if t is not None else module._buffers[attr]  # type: ignore[return-value]
+
+
+def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
+    """Write the Hugging Face layout, its manifest, and remove this layout's stale files."""
+    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
+    shards = split_shards(tensors, max_bytes)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [shard_name(i, len(shards)) for i in range(len(shards))]
+    )
+    meta = {"format": "pt"}
+    entries: dict[str, list[int]] = {}
+    for name, shard in zip(names, shards, strict=True):
+        entries[name] = list(
+            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+        )
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {
+            "metadata": {"total_size": total, "tied": aliases},
+            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+        }
+        data = json.dumps(index, indent=2).encode()
+        entries[INDEX_NAME] = list(
+            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
+        )
+    stale = [
+        p for p in directory.iterdir() if _OWN_FILES.fullmatch(p.name) and p.name not in entries
+    ]
+    if any(p.name == INDEX_NAME for p in stale):  # now one file: the old index must not win over it
+        (directory / INDEX_NAME).unlink()
+    manifest = {
+        "format": _atomic.FORMAT,
+        "accel_version": __version__,
+        "torch_version": torch.__version__,
+        "files": entries,
+    }
+    data = json.dumps(manifest, indent=1).encode()
+    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
+    for path in stale:  # an earlier save's shards (or single file) of another layout
+        path.unlink(missing_ok=True)
+    _atomic.fsync_path(directory)
+
+
+def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
+    partial = path.with_name(f".{path.name}.partial")
+    result = write(partial)
+    partial.replace(path)  # atomic: readers see the old file or the new one, never half
+    return result
