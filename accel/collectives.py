@@ -90,15 +90,22 @@ def _exchange(
     leaves: Sequence[torch.Tensor],
     hint: str,
     group: Any,
+    *,
+    call: str | None = None,
 ) -> tuple[torch.Tensor | None, list[int]]:
-    """All-gather the hash of `description` and, if they fit, the bytes of `leaves`.
+    """All-gather the hash of `call` and `description` and, if they fit, the bytes of `leaves`.
+
+    `call` names the collective and the arguments every rank must agree on (`reduce(op='sum')`,
+    `broadcast(src=0)`); it defaults to `fn`. Ranks that disagree on it all raise too, instead of
+    running different collectives (a hang) or reducing with different ops (garbage).
 
     Returns every rank's row (uint8 [world_size, _round_bytes]) and the byte offset of each
     leaf in it, or None instead of the rows when the leaves did not fit (the caller moves
     them itself, knowing that every rank holds the same shapes). Raises on every rank when the
     descriptions differ.
     """
-    digest = hashlib.blake2b(description.encode(), digest_size=8).digest()
+    call = fn if call is None else call
+    digest = hashlib.blake2b(f"{call}|{description}".encode(), digest_size=8).digest()
     size = _round_bytes(ctx.world_size)
     offsets, end = _layout(leaves)
     inline = end <= size
@@ -117,8 +124,14 @@ def _exchange(
     if hashes.count(hashes[0]) != len(hashes):
         descriptions: list[Any] = [None] * ctx.world_size
         with named_collective(ctx, fn):
-            dist.all_gather_object(descriptions, description, group=group)
-        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+            dist.all_gather_object(descriptions, (call, description), group=group)
+        if len({c for c, _ in descriptions}) > 1:
+            listing = "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(descriptions))
+            raise ValueError(
+                f"{fn}: the ranks made different calls ({listing}); every rank must call the "
+                "same collective with the same op and src at the same point."
+            )
+        listing = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(descriptions))
         raise ValueError(
             f"{fn}: the ranks passed different inputs ({listing}); every rank must pass the "
             f"same structure, dtypes and shapes. {hint}"
@@ -165,9 +178,9 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
         >>> gather(RunContext(), {"x": torch.tensor([1.0, 2.0])})
         {'x': tensor([1., 2.])}
     """
+    leaves, treedef = tensor_leaves("gather", tree)  # checked at any world size
     if ctx.world_size == 1:
         return tree
-    leaves, treedef = tensor_leaves("gather", tree)
     hint = "To gather tensors whose dim 0 differs, call pad_across_processes(ctx, tree) first."
     return unflatten(treedef, gather_leaves(ctx, "gather", leaves, treedef, hint))
 
@@ -234,7 +247,15 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "reduce")
-    rows, offsets = _exchange(ctx, "reduce", _describe(leaves, treedef, None), leaves, "", group)
+    rows, offsets = _exchange(
+        ctx,
+        "reduce",
+        _describe(leaves, treedef, None),
+        leaves,
+        "",
+        group,
+        call=f"reduce(op={op!r})",
+    )
     if rows is not None:  # reduce the gathered copies locally, in rank order on every rank
         stacks = [_stacked(rows, offset, t) for t, offset in zip(leaves, offsets, strict=True)]
         return unflatten(treedef, [_reduce_local(x, op).to(x.dtype) for x in stacks])
@@ -276,11 +297,13 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
         tensor([1., 1.])
     """
     _check_src("broadcast", ctx, src)
+    leaves, treedef = tensor_leaves("broadcast", tree)
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "broadcast")
-    leaves, treedef = tensor_leaves("broadcast", tree)
-    rows, offsets = _exchange(ctx, "broadcast", _describe(leaves, treedef, None), leaves, "", group)
+    description = _describe(leaves, treedef, None)
+    call = f"broadcast(src={src})"
+    rows, offsets = _exchange(ctx, "broadcast", description, leaves, "", group, call=call)
     if rows is not None:
         out = [
             _stacked(rows[src : src + 1], offset, t)[0]
@@ -331,9 +354,6 @@ def pad_across_processes(
         >>> pad_across_processes(RunContext(), torch.tensor([1, 2]))
         tensor([1, 2])
     """
-    if ctx.world_size == 1:
-        return tree
-    group = require_group(ctx, "pad_across_processes")
     leaves, treedef = tensor_leaves("pad_across_processes", tree)
     for t in leaves:
         if not -t.dim() <= dim < t.dim():
@@ -341,10 +361,14 @@ def pad_across_processes(
                 f"pad_across_processes: dim={dim} is out of range for a tensor of shape "
                 f"{list(t.shape)}; pass a dim in [{-t.dim()}, {t.dim()})."
             )
+    if ctx.world_size == 1:
+        return tree
+    group = require_group(ctx, "pad_across_processes")
     sizes = torch.tensor([t.shape[dim] for t in leaves], dtype=torch.int64)
+    axis = dim % leaves[0].dim() if leaves else dim  # -1 and 1 name one dim of a 2-D tensor
     rows, offsets = _exchange(
         ctx, "pad_across_processes", _describe(leaves, treedef, dim), [sizes],
-        "Only the size along `dim` may differ.", group,
+        "Only the size along `dim` may differ.", group, call=f"pad_across_processes(dim={axis})",
     )  # fmt: skip
     if rows is not None:
         everyone = _stacked(rows, offsets[0], sizes)

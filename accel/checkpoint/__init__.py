@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from accel._groups import barrier, require_group
+from accel._groups import barrier, global_rank, named_collective, require_group
 from accel._size import parse_size
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._files import resolve_checkpoint
@@ -34,7 +35,6 @@ from accel.checkpoint._model_io import (
 )
 from accel.checkpoint._safetensors_io import read_file
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
-from accel.collectives import broadcast_object
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import has_dtensors
@@ -244,10 +244,11 @@ def _start_save(
     staging = _atomic.sibling(final, "partial")
     if ctx.is_main:
         _atomic.sweep(final.parent)
-        with _atomic.removed_on_failure(fn, staging, final):
+    with _atomic.removed_on_failure(fn, staging, final):  # elsewhere: a name never created
+        if ctx.is_main:
             staging.mkdir(parents=True)
-    if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
-        staging = Path(broadcast_object(ctx, str(staging)))
+        if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
+            staging = _agree_on(ctx, fn, staging)
     with _atomic.removed_on_failure(fn, staging, final):
         if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
             models = dict(plan.dcp_models)
@@ -284,6 +285,13 @@ def _start_save(
     handle._thread = threading.Thread(target=run, name=_SAVE_THREAD, daemon=False)
     handle._thread.start()
     return handle
+
+
+def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:
+    box: list[Any] = [str(staging)]
+    with named_collective(ctx, fn):
+        dist.broadcast_object_list(box, src=global_rank(ctx, 0), group=require_group(ctx, fn))
+    return Path(box[0])
 
 
 def _group(ctx: RunContext, fn: str) -> Any:
