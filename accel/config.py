@@ -15,6 +15,7 @@ reads them once and records each value's source in `RunContext.sources`:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -112,9 +113,25 @@ def _distributed_type(key: str, value: Any) -> str:
 
 
 def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"config: {key}={value!r} must be a number > 0.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"config: {key}={value!r} must be a finite number > 0, e.g. 0.1.")
     return float(value)
+
+
+def _port(key: str, value: Any) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
+    ):
+        raise ValueError(
+            f"config: {key}={value!r} is not a TCP port; expected an integer in [0, 65535] "
+            "(0 picks a free port on a single machine)."
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,7 +180,7 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "num_machines": _int(1),
         "machine_rank": _int(0),
         "main_process_ip": _str,
-        "main_process_port": _optional_int(0),
+        "main_process_port": _port,
         "rdzv_backend": lambda k, v: _choice(k, v, ("static", "c10d")),
         "mixed_precision": parse_precision,
         "gradient_accumulation_steps": _int(1),
@@ -256,6 +273,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         'fp32'
     """
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(
+            f"load_config: path={str(file)!r} is a folder, not a YAML file; pass the config "
+            f"file itself, e.g. --config_file {file / 'default_config.yaml'}."
+        )
     try:
         text = file.read_text()
     except FileNotFoundError:

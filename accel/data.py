@@ -323,6 +323,8 @@ def shard_loader(
     >>> [b.tolist() for b in shard_loader(ctx, DataLoader(list(range(7)), batch_size=2))]
     [[2, 3], [6, 0]]
     """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"shard_loader: seed={seed!r} must be an int (or None); e.g. seed=42.")
     if not isinstance(loader, DataLoader):
         raise TypeError(
             f"shard_loader: loader={type(loader).__name__} is not a torch DataLoader; wrap the "

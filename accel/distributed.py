@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -48,12 +49,26 @@ def _as_timeout(value: float | timedelta | None) -> timedelta:
     if value is None:
         return _DEFAULT_TIMEOUT
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
         raise ValueError(
             f"init_distributed: timeout={value!r} must be a positive number of seconds or a "
             "datetime.timedelta, e.g. timeout=600."
         )
     return timedelta(seconds=seconds)
+
+
+def _check_seed(seed: object) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"init_distributed: seed={seed!r} must be an int (or None); e.g. seed=42.")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"init_distributed: seed={seed!r} must be in [0, 2**63); e.g. seed=42.")
 
 
 def _resolve(
@@ -120,6 +135,7 @@ def init_distributed(
         (1, True)
     """
     wait = _as_timeout(timeout)
+    _check_seed(seed)
     launch = parse_launch_env(os.environ)
     arguments = {
         "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,

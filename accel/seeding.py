@@ -40,6 +40,11 @@ def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"set_seed: seed={seed!r} must be a non-negative int.")
     value = seed + (ctx.rank if ctx is not None else 0)
+    if value >= 2**64:  # torch.manual_seed takes 64 bits
+        raise ValueError(
+            f"set_seed: seed={seed!r} is too large; torch seeds are below 2**64 (seed + rank). "
+            "Pass a smaller seed, e.g. seed % 2**32."
+        )
     random.seed(value)
     np.random.seed(value % 2**32)
     torch.manual_seed(value)  # also seeds every CUDA device

@@ -104,6 +104,7 @@ def save_model(
         ['accel-manifest.json', 'model.safetensors']
     """
     fn = "save_model"
+    _check_model(fn, model)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
@@ -125,6 +126,14 @@ def save_model(
         write_model_files(Path(directory), state, max_bytes)
     if ctx.world_size > 1:
         barrier(ctx, fn)
+
+
+def _check_model(fn: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{fn}: model={model!r:.60} is a {type(model).__name__}, not a torch.nn.Module; pass "
+            "the model (the checkpoint path is the next argument)."
+        )
 
 
 def load_checkpoint_in_model(
@@ -171,6 +180,7 @@ def load_checkpoint_in_model(
         LoadResult(missing_keys=[], unexpected_keys=[])
     """
     fn = "load_checkpoint_in_model"
+    _check_model(fn, model)
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device) if device is not None else None
@@ -410,6 +420,11 @@ def save_checkpoint(
         ('step-3', 'step-3')
     """
     fn = "save_checkpoint"
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"{fn}: state={type(state).__name__} must be a dict of name -> object, e.g. "
+            '{"model": model, "optimizer": optimizer}.'
+        )
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
