@@ -81,7 +81,8 @@ def save_model(
     `model-0000k-of-0000N.safetensors` shards and a `model.safetensors.index.json`. Tied
     tensors are stored once (under their first name) and `load_checkpoint_in_model` restores
     them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
-    (sizes, checksums) is written beside them; other files in `directory` are left alone.
+    (sizes, checksums) is written beside them. `save_model`'s own files of an earlier save in
+    another layout (shards, index, single file) are removed; other files are left alone.
     FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
     must call then); otherwise use `save_state`, which saves them sharded.
 
@@ -319,16 +320,23 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
     accumulation window (each rank its own; `load_state` restores them, or clears stale ones).
     Tensors go to safetensors and everything else to JSON: nothing is pickled. The directory is
     written under a temporary name, fsynced with a manifest of sizes and crc32 checksums, and
-    renamed into place; call it on every rank.
+    renamed into place; call it on every rank. An existing accel checkpoint under `directory`
+    is replaced; a folder holding other files (FileExistsError) or a file (NotADirectoryError)
+    is refused before anything is written. A failed save removes what it wrote.
 
     Args:
         ctx: the run context; every rank calls with the same names.
-        directory: the folder to create; an existing one is replaced once the new one is done.
+        directory: the folder to create; an existing accel checkpoint is replaced once the new
+            one is done; any other existing folder with files in it is refused.
         **objects: the objects to save, by name; `PerRank(obj)` saves every rank's own copy.
 
     Raises:
         TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
         ValueError: for a name reserved for the RNG states.
+        FileExistsError: `directory` holds files but is not an accel checkpoint.
+        NotADirectoryError: `directory` (or a parent) is a file.
+        OSError: a write failed (disk full, read-only); it names the checkpoint, and what was
+            written is removed.
         TimeoutError: on rank 0, when a rank's files are missing after `ctx.timeout` (None:
             30 minutes).
 
@@ -349,9 +357,10 @@ def load_state(
 ) -> dict[str, Any]:
     """Load what `save_state` saved into the given objects, in place, and restore RNG states.
 
-    Refuses a directory with no manifest, and any file whose size or checksum differs from the
-    manifest (naming it). FSDP2 state loads at any world size. Call it on every rank. A rank
-    with no saved RNG state (saved by fewer ranks) warns and keeps its own.
+    Refuses a directory with no manifest, and any file whose size, checksum or header is wrong
+    (naming it). Every file is verified before any object or RNG state changes, so a failed
+    load leaves them as they were. FSDP2 state loads at any world size. Call it on every rank.
+    A rank with no saved RNG state (saved by fewer ranks) warns and keeps its own.
 
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
