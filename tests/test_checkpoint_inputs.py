@@ -288,3 +288,18 @@ def test_load_state_names_a_state_file_that_lacks_its_structure(tmp_path: Path, 
     _rewrite(tmp_path / "s", "model.json", json.dumps(doc).encode())
     with pytest.raises(ValueError, match=r"model\.json"):
         accel.load_state(CTX, tmp_path / "s", model=_mlp(0))
+
+
+def test_saving_a_step_again_right_after_a_background_save_of_it_replaces_it(
+    tmp_path: Path,
+) -> None:
+    big = nn.Linear(1024, 1024)  # 4 MB: the background write is still running at the next call
+    first = accel.save_checkpoint(CTX, tmp_path, {"model": big}, step=1, blocking=False)
+    with torch.no_grad():
+        big.weight.fill_(3.0)
+    accel.save_checkpoint(CTX, tmp_path, {"model": big}, step=1)
+    assert first.wait() == tmp_path / "step-1"
+    loaded = nn.Linear(1024, 1024)
+    accel.load_state(CTX, tmp_path / "step-1", model=loaded)
+    assert bool((loaded.weight == 3.0).all())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]

@@ -249,8 +249,8 @@ def _start_save(
 ) -> CheckpointHandle:
 
     plan = classify(fn, objects)
+    _wait_for_previous_saves()  # a background save of this same name may publish meanwhile
     replace = _atomic.check_target(fn, final)  # on every rank: they all refuse alike
-    _wait_for_previous_saves()
     group = _group(ctx, fn)
     staging = _atomic.sibling(final, "partial")
     if ctx.is_main:

@@ -44,7 +44,6 @@ FORMAT = 1
 _DEBRIS = re.compile(
     r"\.(?P<name>.+)\.(?P<host>[\w-]*)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>partial|old|deleting)"
 )
-_LEGACY_PARTIAL = re.compile(r"\.(?P<name>[^.].*)\.partial")  # accel < 0.2: one name per target
 
 
 def _token() -> str:
@@ -81,11 +80,9 @@ def sweep(parent: Path) -> None:
         return
     for path in entries:
         match = _DEBRIS.fullmatch(path.name)
-        if match is not None:
-            stale = match["kind"] == "deleting" or _writer_gone(match["host"], int(match["pid"]))
-        else:
-            stale = _LEGACY_PARTIAL.fullmatch(path.name) is not None and path.is_dir()
-        if stale:
+        if match is None:
+            continue  # not a name accel writes: never touched
+        if match["kind"] == "deleting" or _writer_gone(match["host"], int(match["pid"])):
             logger.debug("removing %s, left by an interrupted save or rotation", path)
             remove_tree(path)
 
