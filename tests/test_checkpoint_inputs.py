@@ -303,3 +303,16 @@ def test_saving_a_step_again_right_after_a_background_save_of_it_replaces_it(
     accel.load_state(CTX, tmp_path / "step-1", model=loaded)
     assert bool((loaded.weight == 3.0).all())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
+def test_save_state_will_not_replace_a_folder_holding_files_its_manifest_does_not_list(
+    tmp_path: Path,
+) -> None:
+    # save_model writes a manifest beside the user's own files (config, tokenizer): that folder
+    # is not a training-state checkpoint to replace wholesale.
+    (tmp_path / "config.json").write_text("{}")
+    accel.save_model(CTX, _mlp(0), tmp_path)
+    with pytest.raises(FileExistsError, match=r"does not list; .*config\.json"):
+        accel.save_state(CTX, tmp_path, model=_mlp(1))
+    assert (tmp_path / "config.json").read_text() == "{}"
+    assert (tmp_path / "model.safetensors").is_file()

@@ -142,16 +142,22 @@ def check_target(fn: str, final: Path) -> bool:
             )
     if not final.exists():
         return False
-    if (final / MANIFEST).is_file():
-        return True
-    found = sorted(p.name for p in final.iterdir())
+    found = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
     if not found:
         return False
+    listed: set[str] = set()
+    # A damaged manifest vouches for nothing: then every file counts as the user's.
+    with suppress(ValueError):
+        if (final / MANIFEST).is_file():
+            listed = {MANIFEST, *read_manifest(fn, final)["files"]}
+    foreign = [rel for rel in found if rel not in listed]
+    if not foreign:
+        return True
+    what = "is not an accel checkpoint" if not listed else "holds files its manifest does not list"
     raise FileExistsError(
-        f"{fn}: directory={str(final)!r} exists and is not an accel checkpoint (it has no "
-        f"{MANIFEST}); saving would replace it and lose {found[:5]}"
-        f"{f' and {len(found) - 5} more' if len(found) > 5 else ''}. Pass a new or empty "
-        "folder, or move those files away first."
+        f"{fn}: directory={str(final)!r} {what}; saving would replace it and lose "
+        f"{foreign[:5]}{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}. Pass a "
+        "new or empty folder, or move those files away first."
     )
 
 
