@@ -316,3 +316,22 @@ def test_save_state_will_not_replace_a_folder_holding_files_its_manifest_does_no
         accel.save_state(CTX, tmp_path, model=_mlp(1))
     assert (tmp_path / "config.json").read_text() == "{}"
     assert (tmp_path / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", MANIFEST])
+@pytest.mark.parametrize(
+    "data", [b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b'{"\xff": 1}', b"[1, 2"]
+)
+def test_a_damaged_index_or_manifest_is_named(tmp_path: Path, name: str, data: bytes) -> None:
+    accel.save_model(CTX, _mlp(0, width=64), tmp_path, max_shard_size=700)  # sharded: an index
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        accel.load_checkpoint_in_model(_mlp(0, width=64), tmp_path)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        _dispatch_mlp(tmp_path)
+
+
+def _dispatch_mlp(path: Path) -> None:
+    with accel.init_empty_weights():
+        model = _mlp(0, width=64)
+    accel.dispatch_checkpoint(model, path, device_map={"": "cpu"})

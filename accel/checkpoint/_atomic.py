@@ -237,7 +237,7 @@ def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
             "accel.latest_checkpoint(root) again."
         )
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
         if not directory.is_dir():
             raise FileNotFoundError(
@@ -260,7 +260,7 @@ def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
             ):
                 raise TypeError(f"the entry of {rel!r} is {entry!r}, not [size, crc32]")
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RecursionError) as err:  # RecursionError: nested too deep
         raise ValueError(
             f"{fn}: {str(path)!r} is not a valid accel manifest ({err}); the checkpoint is "
             "damaged. Load an earlier checkpoint."

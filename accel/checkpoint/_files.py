@@ -73,11 +73,11 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
 
 def _read_index(fn: str, index: Path) -> CheckpointFiles:
     try:
-        data: Any = json.loads(index.read_text())
+        data: Any = json.loads(index.read_bytes())
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, not UTF-8, too deep
         raise ValueError(
             f"{fn}: {str(index)!r} is not a safetensors index (a JSON object with a "
             "'weight_map' of tensor name -> file name)."
