@@ -24,6 +24,7 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan
+from accel._stream import SplitStream, describe, split_kind
 from accel._tree import send_to_device, tensor_leaves, unflatten
 from accel.collectives import _pad, gather_leaves
 from accel.context import RunContext
@@ -97,6 +98,9 @@ class ShardedLoader:
         self._last_index = -1  # map-style: index of the last yielded batch in the epoch's plan
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
+        # Iterable datasets that split themselves go to accel._stream; the others below.
+        kind, self._stream_reason = split_kind(loader.dataset) if self._iterable else (None, "")
+        self._stream = SplitStream(ctx, loader, plan, kind) if kind is not None else None
 
     # -- the plan for an epoch ---------------------------------------------------------------
 
@@ -133,6 +137,11 @@ class ShardedLoader:
             self.epoch, self.position = epoch, 0
 
     def __len__(self) -> int:
+        if self._stream is not None:
+            raise TypeError(
+                f"len(ShardedLoader): {self._stream_reason}; how many batches each rank gets "
+                "depends on how the stream splits, which is known only at its end."
+            )
         if self._iterable:
             n = len(self.loader.dataset)  # type: ignore[arg-type]
             per_chunk = self._chunk_size()
@@ -140,7 +149,15 @@ class ShardedLoader:
         return len(self._all_ranks(self.epoch)[self.plan.rank])
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._iterate_iterable() if self._iterable else self._iterate_map()
+        if self._stream is not None:
+            generator = self.loader.generator
+            if generator is None:  # as in _iterate_map: workers seeded from (seed, epoch, rank)
+                generator = _epoch_generator(self._seed, self.epoch, self.plan.rank)
+            batches = self._stream.iterate(
+                self.epoch, resume=self.position > 0, generator=generator
+            )
+        else:
+            batches = self._iterate_iterable() if self._iterable else self._iterate_map()
         for batch in batches:
             self.position += 1
             if self._device is not None:
@@ -233,6 +250,8 @@ class ShardedLoader:
     @property
     def _layout(self) -> Layout:
         """(size, padding) on every rank of the batch index this loader yielded last."""
+        if self._stream is not None:
+            return self._stream.layout
         if self._iterable:
             return self._chunk_layout
         if self._last_index < 0 or self._table is None:
@@ -256,13 +275,16 @@ class ShardedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and position (plain ints), plus what a resumed run must match."""
-        return {
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "position": self.position,
             "world_size": self.plan.world_size,
             "dataset_length": self._dataset_length(),
             "seed": self._seed,
         }
+        if self._stream is not None:  # each worker's place in its part of the stream
+            state["stream"] = self._stream.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next iteration yields the batch after the last one seen."""
@@ -275,8 +297,26 @@ class ShardedLoader:
                     "means the same batches with the same world size and dataset. Resume with "
                     "the original setting, or start the epoch afresh with set_epoch()."
                 )
+        if self._stream is not None and int(state["position"]) > 0:
+            self._stream.load_state_dict(state.get("stream"))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._seed = int(state.get("seed", self._seed))
+
+    def describe(self) -> str:
+        """How this loader reads its dataset on this rank, for debugging.
+
+        Returns:
+            One line per setting: the layout, and for an iterable dataset how it is split.
+
+        Example:
+
+        >>> from torch.utils.data import DataLoader
+        >>> loader = shard_loader(RunContext(rank=1, world_size=2), DataLoader(range(4)))
+        >>> print(loader.describe().splitlines()[0])
+        rank 1 of 2, batch_size=1, even_batches=True, split_batches=False, drop_last=False
+        """
+        reason = self._stream_reason or f"map-style {type(self.loader.dataset).__name__}"
+        return describe(self.plan, reason, self._stream)
 
 
 def shard_loader(

@@ -1,0 +1,184 @@
+"""Iterable datasets in shard_loader at world size 1: workers, splitting, resume (accel._stream).
+
+The multi-rank checks (2 and 4 ranks, uneven ends) are in tests/dist/test_stream_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import accel
+from accel import RunContext
+from tests.stream_datasets import (
+    GenStream,
+    PlainStream,
+    ShardList,
+    hf_stream,
+    reads,
+    write_json_shards,
+)
+
+CTX = RunContext.single()
+
+
+def _ids(batch: Any) -> list[int]:
+    return (batch["id"] if isinstance(batch, dict) else batch).tolist()
+
+
+def _dataset(kind: str, folder: Path, n: int) -> Any:
+    if kind == "gen":
+        return GenStream(n, str(folder))
+    if kind == "shard":
+        return ShardList(list(range(n)), str(folder))
+    return hf_stream(write_json_shards(folder / "json", [5, 7, 3, 6]), str(folder / "cache"))
+
+
+@pytest.mark.parametrize("kind", ["gen", "shard", "datasets"])
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_workers_read_each_sample_once(tmp_path: Path, kind: str, num_workers: int) -> None:
+    n = 21
+    dataset = _dataset(kind, tmp_path, n)
+    loader = accel.shard_loader(
+        CTX, DataLoader(dataset, batch_size=4, num_workers=num_workers), device_placement=False
+    )
+    got = [i for b in loader for i in _ids(b)]
+    assert sorted(got) == list(range(n))
+    if kind != "datasets":  # the datasets files do not log their reads; counted in the dist test
+        assert reads(tmp_path) == list(range(n))  # nothing read twice, in any process
+    again = [i for b in loader for i in _ids(b)]
+    assert again == got  # the order is fixed for (seed, epoch, world size, workers)
+
+
+def test_workers_take_turns_and_keep_their_partial_last_batch() -> None:
+    loader = accel.shard_loader(CTX, DataLoader(GenStream(11), batch_size=2, num_workers=2))
+    # worker 0 reads part 0 (even samples), worker 1 part 1 (odd): batches alternate.
+    assert [b.tolist() for b in loader] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9]]
+    dropped = accel.shard_loader(
+        CTX, DataLoader(GenStream(11), batch_size=2, num_workers=2, drop_last=True)
+    )
+    assert [b.tolist() for b in dropped] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10]]
+
+
+def _worker_pid(worker_id: int) -> None:
+    folder = torch.utils.data.get_worker_info().dataset.dataset.folder
+    Path(folder, f"init-{os.getpid()}").write_text(str(worker_id))
+
+
+def test_worker_init_fn_and_persistent_workers(tmp_path: Path) -> None:
+    loader = accel.shard_loader(
+        CTX,
+        DataLoader(
+            GenStream(8, str(tmp_path)),
+            batch_size=2,
+            num_workers=2,
+            persistent_workers=True,
+            worker_init_fn=_worker_pid,
+            prefetch_factor=1,
+        ),
+    )
+    epochs = [[i for b in loader for i in b.tolist()] for _ in range(3)]
+    assert all(sorted(e) == list(range(8)) for e in epochs)
+    assert len(list(tmp_path.glob("init-*"))) == 2  # two workers for all three epochs
+
+
+def _run(make: Any, stops: list[int]) -> list[list[int]]:
+    """Batches of one epoch, read by a fresh loader after each stop, resumed from state."""
+    out: list[list[int]] = []
+    state = None
+    for stop in [*stops, None]:
+        loader = make()
+        if state is not None:
+            loader.load_state_dict(state)
+        for k, batch in enumerate(loader if stop != len(out) else [], start=len(out)):
+            out.append(_ids(batch))
+            if k + 1 == stop:
+                break
+        # saved as a checkpoint would keep it: a copy, not the live object
+        state = copy.deepcopy(loader.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_twice_at_every_position_equals_the_uninterrupted_run(
+    tmp_path: Path, num_workers: int
+) -> None:
+    def make() -> accel.ShardedLoader:
+        dataset = GenStream(13, str(tmp_path))
+        return accel.shard_loader(CTX, DataLoader(dataset, batch_size=2, num_workers=num_workers))
+
+    reference = _run(make, [])
+    assert sorted(i for b in reference for i in b) == list(range(13))
+    for first in range(len(reference) + 1):
+        second = (first + len(reference) + 1) // 2
+        for f in tmp_path.glob("reads-*"):
+            f.unlink()
+        assert _run(make, [first, second]) == reference, (first, second)
+        # The dataset resumed from its own state: what was yielded before the first stop is
+        # not read again (workers may have read ahead of the stop: that is read again).
+        counts = Counter(reads(tmp_path))
+        assert set(counts) == set(range(13))
+        assert all(counts[i] == 1 for b in reference[:first] for i in b)
+        if num_workers == 0:
+            assert max(counts.values()) == 1
+
+
+def test_resume_without_dataset_state_rereads_once_with_a_warning(tmp_path: Path) -> None:
+    def make() -> accel.ShardedLoader:
+        dataset = ShardList(list(range(13)), str(tmp_path))
+        return accel.shard_loader(CTX, DataLoader(dataset, batch_size=2, num_workers=2))
+
+    reference = _run(make, [])
+    with pytest.warns(UserWarning, match=r"re-reads and skips the 6 samples"):
+        assert _run(make, [3]) == reference
+
+
+def test_resume_datasets_streaming_from_its_own_state(tmp_path: Path) -> None:
+    paths = write_json_shards(tmp_path / "json", [5, 7, 3, 6])
+
+    def make() -> accel.ShardedLoader:
+        dataset = hf_stream(paths, str(tmp_path / "cache"))
+        return accel.shard_loader(CTX, DataLoader(dataset, batch_size=2, num_workers=2))
+
+    reference = _run(make, [])
+    assert sorted(i for b in reference for i in b) == list(range(21))
+    for first in range(0, len(reference) + 1, 3):
+        assert _run(make, [first, first + 2]) == reference, first
+
+
+def test_resume_needs_the_same_number_of_workers() -> None:
+    loader = accel.shard_loader(CTX, DataLoader(GenStream(8), batch_size=2, num_workers=2))
+    next(iter(loader))
+    other = accel.shard_loader(CTX, DataLoader(GenStream(8), batch_size=2))
+    with pytest.raises(ValueError, match=r"num_workers=2 .* but this loader has 1"):
+        other.load_state_dict(loader.state_dict())
+
+
+def test_describe_names_how_the_stream_is_read(tmp_path: Path) -> None:
+    gen = accel.shard_loader(CTX, DataLoader(GenStream(4), batch_size=2, num_workers=2))
+    assert "split stream, 2 worker(s) per rank: GenStream.iter_shard" in gen.describe()
+    plain = accel.shard_loader(CTX, DataLoader(PlainStream(4), batch_size=2))
+    assert "PlainStream has no iter_shard()/shard() method" in plain.describe()
+    assert "every rank reads the whole stream" in plain.describe()
+    hf = accel.shard_loader(CTX, DataLoader(_dataset("datasets", tmp_path, 0), batch_size=2))
+    assert "split_dataset_by_node" in hf.describe()
+    with pytest.raises(TypeError, match="depends on how the stream splits"):
+        len(gen)
+
+
+def test_a_stream_that_cannot_split_keeps_the_accelerate_layout() -> None:
+    loader = accel.shard_loader(RunContext(rank=1, world_size=2), DataLoader(PlainStream(7), 2))
+    assert [b.tolist() for b in loader] == [[2, 3], [6, 0]]
+
+
+def test_union_counts_every_sample_once_under_gather_for_metrics(tmp_path: Path) -> None:
+    loader = accel.shard_loader(CTX, DataLoader(GenStream(9), batch_size=4, num_workers=2))
+    gathered = [accel.gather_for_metrics(CTX, b, loader=loader).tolist() for b in loader]
+    assert Counter(i for g in gathered for i in g) == Counter(range(9))
