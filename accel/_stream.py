@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from accel._groups import named_collective, require_group
 from accel._shard_plan import ShardPlan
+from accel._stream_dispatch import DispatchStream
 from accel.collectives import broadcast_object
 from accel.context import RunContext
 
@@ -67,15 +68,29 @@ def split_kind(dataset: object) -> tuple[SplitKind | None, str]:
     )
 
 
-def describe(plan: ShardPlan, reason: str, stream: SplitStream | None) -> str:
+def open_stream(
+    ctx: RunContext, loader: DataLoader[Any], plan: ShardPlan, dispatch: bool
+) -> tuple[SplitStream | DispatchStream | None, str]:
+    """The reader of an iterable dataset and why it was chosen (None: the Accelerate layout)."""
+    if dispatch:
+        reason = (
+            f"dispatch_batches=True: rank 0 reads the whole {type(loader.dataset).__name__} "
+            "and sends every rank its batch, shapes included"
+        )
+        return DispatchStream(ctx, loader, plan), reason
+    kind, reason = split_kind(loader.dataset)
+    return (SplitStream(ctx, loader, plan, kind) if kind is not None else None), reason
+
+
+def describe(plan: ShardPlan, reason: str, stream: SplitStream | DispatchStream | None) -> str:
     """The lines of `ShardedLoader.describe()`."""
     head = (
         f"rank {plan.rank} of {plan.world_size}, batch_size={plan.batch_size}, even_batches="
         f"{plan.even_batches}, split_batches={plan.split_batches}, drop_last={plan.drop_last}"
     )
-    if stream is None:
-        return f"{head}\n{reason}"
-    return f"{head}\nsplit stream, {stream.num_workers} worker(s) per rank: {reason}"
+    if isinstance(stream, SplitStream):
+        return f"{head}\nsplit stream, {stream.num_workers} worker(s) per rank: {reason}"
+    return f"{head}\n{reason}"
 
 
 def _stateful(obj: object) -> bool:
@@ -189,6 +204,7 @@ class SplitStream:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "rank": self.plan.rank,
             "kind": self.kind,
             "num_workers": self.num_workers,
             "cursor": self.cursor,
@@ -204,6 +220,13 @@ class SplitStream:
                 "saved by a loader over this split stream; save it with state_dict() of a "
                 "loader built the same way."
             )
+        if state.get("rank") != self.plan.rank:
+            raise ValueError(
+                f"ShardedLoader.load_state_dict: this stream position was saved by rank "
+                f"{state.get('rank')!r} but this is rank {self.plan.rank}; every rank reads its "
+                "own part of a split stream, so each needs its own position. With save_state/"
+                "load_state, pass the loader as accel.PerRank(loader)."
+            )
         if state.get("num_workers") != self.num_workers:
             raise ValueError(
                 f"ShardedLoader.load_state_dict: the stream position was saved with "
@@ -217,9 +240,9 @@ class SplitStream:
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def iterate(self, epoch: int, *, resume: bool, generator: torch.Generator) -> Iterator[Any]:
-        """This rank's batches of `epoch`, from the saved position when `resume`."""
-        if not resume:
+    def iterate(self, epoch: int, *, position: int, generator: torch.Generator) -> Iterator[Any]:
+        """This rank's batches of `epoch`, from the saved position when `position > 0`."""
+        if position == 0:
             self.workers, self.cursor, self.pad_batch, self.pad_size = None, 0, None, 0
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)

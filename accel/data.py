@@ -24,7 +24,7 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan
-from accel._stream import SplitStream, describe, split_kind
+from accel._stream import describe, open_stream
 from accel._tree import send_to_device, tensor_leaves, unflatten
 from accel.collectives import _pad, gather_leaves
 from accel.context import RunContext
@@ -84,6 +84,7 @@ class ShardedLoader:
         device_placement: bool,
         non_blocking: bool,
         seed: int,
+        dispatch_batches: bool = False,
     ) -> None:
         self._ctx = ctx
         self.loader = loader
@@ -98,9 +99,10 @@ class ShardedLoader:
         self._last_index = -1  # map-style: index of the last yielded batch in the epoch's plan
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
-        # Iterable datasets that split themselves go to accel._stream; the others below.
-        kind, self._stream_reason = split_kind(loader.dataset) if self._iterable else (None, "")
-        self._stream = SplitStream(ctx, loader, plan, kind) if kind is not None else None
+        # Iterable streams that split, or are dispatched, go to accel._stream; others below.
+        self._stream, self._stream_reason = (None, "")
+        if self._iterable:
+            self._stream, self._stream_reason = open_stream(ctx, loader, plan, dispatch_batches)
 
     # -- the plan for an epoch ---------------------------------------------------------------
 
@@ -153,9 +155,7 @@ class ShardedLoader:
             generator = self.loader.generator
             if generator is None:  # as in _iterate_map: workers seeded from (seed, epoch, rank)
                 generator = _epoch_generator(self._seed, self.epoch, self.plan.rank)
-            batches = self._stream.iterate(
-                self.epoch, resume=self.position > 0, generator=generator
-            )
+            batches = self._stream.iterate(self.epoch, position=self.position, generator=generator)
         else:
             batches = self._iterate_iterable() if self._iterable else self._iterate_map()
         for batch in batches:
@@ -303,10 +303,7 @@ class ShardedLoader:
         self._seed = int(state.get("seed", self._seed))
 
     def describe(self) -> str:
-        """How this loader reads its dataset on this rank, for debugging.
-
-        Returns:
-            One line per setting: the layout, and for an iterable dataset how it is split.
+        """How this loader reads its dataset on this rank (layout; how a stream is split).
 
         Example:
 
@@ -328,6 +325,7 @@ def shard_loader(
     device_placement: bool = True,
     non_blocking: bool = False,
     seed: int | None = None,
+    dispatch_batches: bool = False,
 ) -> ShardedLoader:
     """This rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
 
@@ -336,8 +334,11 @@ def shard_loader(
     the start of the epoch so all ranks take the same number of steps; `gather_for_metrics` drops
     those repeats. A shuffling loader (`shuffle=True`) gets the same order on every rank, from
     `seed` (default `ctx.seed`, else 0) and the epoch. Batches are moved to `ctx.device` unless
-    `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory;
-    iterable datasets are read in the main process by every rank, each keeping its slice.
+    `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory.
+    An iterable dataset that can split itself (`datasets.IterableDataset`, `iter_shard` or
+    `shard`) is read by the workers of every rank, each (rank, worker) reading only its part;
+    with `dispatch_batches=True` rank 0 reads it and sends every rank its batch; any other is
+    read whole by every rank, each keeping its slice (`describe()` says which, and why).
 
     Example:
 
@@ -350,6 +351,13 @@ def shard_loader(
         raise TypeError(
             f"shard_loader: loader={type(loader).__name__} is not a torch DataLoader; wrap the "
             "dataset in torch.utils.data.DataLoader(dataset, batch_size=...)."
+        )
+    if dispatch_batches and (split_batches or not isinstance(loader.dataset, IterableDataset)):
+        raise NotImplementedError(
+            f"shard_loader: dispatch_batches=True works for iterable datasets without "
+            f"split_batches; got {type(loader.dataset).__name__} with split_batches="
+            f"{split_batches}. Map-style datasets are read without duplication already: drop "
+            "dispatch_batches (or split_batches)."
         )
     if isinstance(loader.dataset, IterableDataset) and loader.batch_size is None:
         raise ValueError(
@@ -372,6 +380,7 @@ def shard_loader(
         device_placement=device_placement,
         non_blocking=non_blocking,
         seed=seed,
+        dispatch_batches=dispatch_batches,
     )
 
 

@@ -50,6 +50,10 @@ def _worker(
     # A process group of its own: killing the rank at the deadline takes the DataLoader workers
     # (and any other children) it started with it.
     os.setpgrp()
+    # Spawning left this process's default start method at "spawn"; a rank started by torchrun
+    # is a fresh interpreter with the platform's default, which its DataLoader workers use
+    # (spawning them re-imports everything: seconds per worker instead of milliseconds).
+    mp.set_start_method(None, force=True)
     out = Path(outdir)
     timeout = timedelta(seconds=timeout_s)
     try:

@@ -107,3 +107,11 @@ def hf_stream(paths: list[str], cache: str) -> Any:
     from datasets import load_dataset
 
     return load_dataset("json", data_files=paths, split="train", streaming=True, cache_dir=cache)
+
+
+def ragged_collate(samples: list[int]) -> Any:
+    """Sample i as a row of i % 4 + 1 copies of i, padded with -1 to the batch's longest row."""
+    import torch
+
+    width = max(i % 4 + 1 for i in samples)
+    return torch.tensor([[i] * (i % 4 + 1) + [-1] * (width - i % 4 - 1) for i in samples])

@@ -22,6 +22,7 @@ from tests.stream_datasets import (
     PlainStream,
     ShardList,
     hf_stream,
+    ragged_collate,
     reads,
     write_json_shards,
 )
@@ -182,3 +183,20 @@ def test_union_counts_every_sample_once_under_gather_for_metrics(tmp_path: Path)
     loader = accel.shard_loader(CTX, DataLoader(GenStream(9), batch_size=4, num_workers=2))
     gathered = [accel.gather_for_metrics(CTX, b, loader=loader).tolist() for b in loader]
     assert Counter(i for g in gathered for i in g) == Counter(range(9))
+
+
+def test_dispatch_at_one_rank_yields_the_loader_batches_with_their_shapes() -> None:
+    plain = DataLoader(PlainStream(11), batch_size=3, collate_fn=ragged_collate)
+    loader = accel.shard_loader(CTX, plain, dispatch_batches=True)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in plain]
+    assert {b.shape[1] for b in loader} == {3, 4}  # ragged batches keep their own width
+    assert "dispatch_batches=True: rank 0 reads the whole PlainStream" in loader.describe()
+
+
+def test_dispatch_needs_an_iterable_dataset_without_split_batches() -> None:
+    with pytest.raises(NotImplementedError, match="dispatch_batches=True works for iterable"):
+        accel.shard_loader(CTX, DataLoader(list(range(4))), dispatch_batches=True)
+    with pytest.raises(NotImplementedError, match="split_batches=True"):
+        accel.shard_loader(
+            CTX, DataLoader(PlainStream(4), batch_size=2), dispatch_batches=True, split_batches=True
+        )

@@ -64,3 +64,17 @@ def test_timeout_kills_ranks_and_their_workers(tmp_path: Path) -> None:
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in workers if _alive(p)], "DataLoader workers outlived their killed rank"
+
+
+def _start_method(ctx: RunContext) -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_ranks_start_workers_with_the_platform_default_method() -> None:
+    import multiprocessing
+
+    # as under torchrun: not "spawn" inherited from run_world (seconds per worker)
+    default = multiprocessing.get_all_start_methods()[0]
+    assert run_world(_start_method, world_size=1, timeout=60) == [default]
