@@ -79,6 +79,14 @@ def open_stream(
         )
         return DispatchStream(ctx, loader, plan), reason
     kind, reason = split_kind(loader.dataset)
+    if kind is None and loader.num_workers > 0:
+        warnings.warn(
+            f"shard_loader: num_workers={loader.num_workers} is not used: {reason}. Give the "
+            "dataset an iter_shard(num_shards, index) or shard(num_shards, index) method so "
+            "each worker reads its own part, or pass dispatch_batches=True to read it with "
+            "workers on rank 0.",
+            stacklevel=4,
+        )
     return (SplitStream(ctx, loader, plan, kind) if kind is not None else None), reason
 
 
