@@ -21,6 +21,7 @@ re-reading), else the number of samples read (re-read and skipped on resume).
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections import deque
@@ -143,8 +144,16 @@ class _PartReader(IterableDataset[_CountedBatch]):
     def _open(self, worker: int, num_workers: int, start: WorkerState | None) -> tuple[Any, Any]:
         """(iterable of the part's samples, the object holding its state or None)."""
         num_parts, index = self.world_size * num_workers, self.rank * num_workers + worker
-        # "datasets" was split by node already and divides its shards among workers itself.
-        part = self.dataset.shard(num_parts, index) if self.kind == "shard" else self.dataset
+        if self.kind == "shard":
+            part = self.dataset.shard(num_parts, index)
+        elif self.kind == "datasets":
+            # Split by node already; it divides its shards among workers itself. A copy, so the
+            # state loaded for this pass does not stay on the loader's own dataset (read in
+            # this process when num_workers=0) and resume a later, fresh pass. Deep: its
+            # shallow copy shares the original's __dict__.
+            part = copy.deepcopy(self.dataset)
+        else:
+            part = self.dataset
         holder = part if _stateful(part) else None
         if holder is not None and start is not None and start.get("dataset") is not None:
             holder.load_state_dict(start["dataset"])
@@ -371,6 +380,8 @@ class SplitStream:
         """(batch size, padding batch size or -1) of every rank for this step."""
         if self.plan.world_size == 1:
             return [(size, pad_size)]
+        # The plan's ranks are ctx's (ShardPlan.for_context); when they become the data-parallel
+        # coordinates, this exchange must run on accel.along(ctx, "dp") instead.
         group = require_group(self._ctx, "shard_loader")
         mine = torch.tensor([size, pad_size], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.plan.world_size)]

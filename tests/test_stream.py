@@ -242,3 +242,20 @@ def test_a_stateful_dataloader_is_sharded_and_resumed_through_save_state(tmp_pat
     resumed = make()
     accel.load_state(CTX, tmp_path / "ckpt", loader=accel.PerRank(resumed))
     assert head + [b.tolist() for b in resumed] == [b.tolist() for b in make()]
+
+
+def test_a_fresh_pass_after_a_resume_reads_the_whole_datasets_stream(tmp_path: Path) -> None:
+    paths = write_json_shards(tmp_path / "json", [5, 7, 3, 6])
+
+    def make() -> accel.ShardedLoader:
+        dataset = hf_stream(paths, str(tmp_path / "cache"))
+        return accel.shard_loader(CTX, DataLoader(dataset, batch_size=2))
+
+    first = make()
+    it = iter(first)
+    next(it), next(it)
+    resumed = make()
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert len([i for b in resumed for i in _ids(b)]) == 17  # the rest of epoch 0
+    resumed.set_epoch(0)  # the whole of epoch 0 again, not the rest of it once more
+    assert sorted(i for b in resumed for i in _ids(b)) == list(range(21))
