@@ -39,6 +39,11 @@ from accel.collectives import broadcast_object
 from accel.context import RunContext
 
 SplitKind = Literal["datasets", "iter_shard", "shard"]
+DISPATCH_NEEDS_STREAM = (
+    "shard_loader: dispatch_batches=True works for iterable datasets without split_batches; "
+    "got {name} with split_batches={split}. Map-style datasets are read without duplication "
+    "already: drop dispatch_batches (or split_batches)."
+)
 # One worker's position as of the last batch this rank yielded from it: samples read, whether
 # its part has ended, and the dataset's own state when it has one.
 WorkerState = dict[str, Any]

@@ -24,7 +24,7 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan
-from accel._stream import describe, open_stream
+from accel._stream import DISPATCH_NEEDS_STREAM, describe, open_stream
 from accel._tree import send_to_device, tensor_leaves, unflatten
 from accel.collectives import _pad, gather_leaves
 from accel.context import RunContext
@@ -305,6 +305,9 @@ class ShardedLoader:
     def describe(self) -> str:
         """How this loader reads its dataset on this rank (layout; how a stream is split).
 
+        Returns:
+            Lines of text: the layout settings, then how the dataset is read and why.
+
         Example:
 
         >>> from torch.utils.data import DataLoader
@@ -353,12 +356,8 @@ def shard_loader(
             "dataset in torch.utils.data.DataLoader(dataset, batch_size=...)."
         )
     if dispatch_batches and (split_batches or not isinstance(loader.dataset, IterableDataset)):
-        raise NotImplementedError(
-            f"shard_loader: dispatch_batches=True works for iterable datasets without "
-            f"split_batches; got {type(loader.dataset).__name__} with split_batches="
-            f"{split_batches}. Map-style datasets are read without duplication already: drop "
-            "dispatch_batches (or split_batches)."
-        )
+        name = type(loader.dataset).__name__
+        raise NotImplementedError(DISPATCH_NEEDS_STREAM.format(name=name, split=split_batches))
     if isinstance(loader.dataset, IterableDataset) and loader.batch_size is None:
         raise ValueError(
             "shard_loader: an iterable dataset needs a DataLoader with a batch_size; the stream "

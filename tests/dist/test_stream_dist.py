@@ -78,6 +78,9 @@ def _exactly_once_world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
         uneven = DataLoader(GenStream(200, sizes=sizes), batch_size=2, num_workers=2)
         out["uneven", even] = _epoch(ctx, accel.shard_loader(ctx, uneven, even_batches=even))
     out["uneven_sizes"] = sizes
+    # split_batches: the loader's batch size is the global one; each rank batches its share
+    split = DataLoader(GenStream(N), batch_size=2 * ctx.world_size, num_workers=2)
+    out["split_batches"] = _epoch(ctx, accel.shard_loader(ctx, split, split_batches=True))
     for num_workers in (0, 1):  # PlainStream does not split itself: 1 worker at most
         plain = DataLoader(PlainStream(N), 3, num_workers=num_workers, collate_fn=ragged_collate)
         loader = accel.shard_loader(ctx, plain, dispatch_batches=True)
@@ -178,3 +181,12 @@ def test_dispatch_sends_rank_r_batches_r_plus_k_world_size(world: Any, num_worke
         assert [b for b, _ in got] == padded[r::n]  # ragged widths arrive as they were
         assert [p for _, p in got] == [0 if k < len(plain) else len(padded[k]) for k in
                                        range(r, rounds * n, n)]
+
+
+def test_split_batches_cuts_the_global_batch_size_per_rank(world: Any) -> None:
+    n, _, results = world
+    ranks = [r["split_batches"] for r in results]
+    assert {len(b) for r in ranks for b, _ in r["mine"]} <= {1, 2}  # 2 per rank, or the tail
+    real = [i for r in ranks for b, pad in r["mine"] for i in b[: len(b) - pad]]
+    assert sorted(real) == list(range(N))
+    assert Counter(ranks[0]["gathered"]) == Counter(range(N))
