@@ -96,6 +96,17 @@ def open_stream(
     return (SplitStream(ctx, loader, plan, kind) if kind is not None else None), reason
 
 
+def warn_reread(dataset: object, num_samples: int) -> None:
+    """Warn that resuming a stream that cannot split re-reads `num_samples` samples."""
+    warnings.warn(
+        f"shard_loader: resuming re-reads the first {num_samples} samples of "
+        f"{type(dataset).__name__} on every rank to reach the saved position (a stream that "
+        "does not split itself cannot seek). Give it iter_shard()/shard() and state_dict()/"
+        "load_state_dict() to resume from its own state.",
+        stacklevel=4,
+    )
+
+
 def describe(plan: ShardPlan, reason: str, stream: SplitStream | DispatchStream | None) -> str:
     """The lines of `ShardedLoader.describe()`."""
     head = (

@@ -24,7 +24,7 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan
-from accel._stream import DISPATCH_NEEDS_STREAM, describe, open_stream
+from accel._stream import DISPATCH_NEEDS_STREAM, describe, open_stream, warn_reread
 from accel._tree import send_to_device, tensor_leaves, unflatten
 from accel.collectives import _pad, gather_leaves
 from accel.context import RunContext
@@ -100,9 +100,8 @@ class ShardedLoader:
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
         # Iterable streams that split, or are dispatched, go to accel._stream; others below.
-        self._stream, self._stream_reason = (None, "")
-        if self._iterable:
-            self._stream, self._stream_reason = open_stream(ctx, loader, plan, dispatch_batches)
+        opened = open_stream(ctx, loader, plan, dispatch_batches) if self._iterable else None
+        self._stream, self._stream_reason = opened or (None, "")
 
     # -- the plan for an epoch ---------------------------------------------------------------
 
@@ -223,6 +222,8 @@ class ShardedLoader:
         first: list[Any] | None = None
         chunk: list[Any] = []
         index = 0
+        if self.position:  # a stream cannot seek: re-read up to the position
+            warn_reread(self.loader.dataset, self.position * per_chunk)
 
         def emit(chunk: list[Any], num_real: int) -> Any:
             layout = tuple(self.plan.for_rank(r).iterable_slice(chunk, num_real) for r in range(n))

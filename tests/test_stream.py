@@ -270,3 +270,12 @@ def test_a_position_saved_by_another_rank_is_refused_naming_per_rank() -> None:
     state = {**make(0).state_dict(), "position": 1}  # as save_state stores it, from rank 0
     with pytest.raises(ValueError, match=r"saved by rank 0 but this is rank 1.*PerRank"):
         make(1).load_state_dict(state)
+
+
+def test_a_stream_that_cannot_split_resumes_by_rereading_with_a_warning() -> None:
+    def make() -> accel.ShardedLoader:
+        return accel.shard_loader(CTX, DataLoader(PlainStream(9), batch_size=2))
+
+    reference = _run(make, [])
+    with pytest.warns(UserWarning, match=r"re-reads the first 6 samples of PlainStream"):
+        assert _run(make, [3]) == reference
