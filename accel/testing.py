@@ -113,7 +113,8 @@ def run_world(
     Args:
         fn: the function to run on every rank.
         world_size: how many processes.
-        timeout: seconds the whole world may take; then every process is killed.
+        timeout: seconds the whole world may take; then every process is killed, with the
+            DataLoader workers (and any other children) the ranks started.
         args: extra positional arguments for `fn` (picklable).
 
     Returns:

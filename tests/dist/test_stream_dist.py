@@ -85,6 +85,9 @@ def _exactly_once_world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
         plain = DataLoader(PlainStream(N), 3, num_workers=num_workers, collate_fn=ragged_collate)
         loader = accel.shard_loader(ctx, plain, dispatch_batches=True)
         out["dispatch", num_workers] = [(b.tolist(), loader.padding) for b in loader]
+    plain = DataLoader(PlainStream(N), 3, collate_fn=ragged_collate)
+    loader = accel.shard_loader(ctx, plain, dispatch_batches=True, even_batches=False)
+    out["dispatch_uneven"] = [b.tolist() for b in loader]
     return out
 
 
@@ -190,3 +193,11 @@ def test_split_batches_cuts_the_global_batch_size_per_rank(world: Any) -> None:
     real = [i for r in ranks for b, pad in r["mine"] for i in b[: len(b) - pad]]
     assert sorted(real) == list(range(N))
     assert Counter(ranks[0]["gathered"]) == Counter(range(N))
+
+
+def test_dispatch_without_even_batches_stops_before_an_incomplete_round(world: Any) -> None:
+    n, _, results = world
+    plain = [b.tolist() for b in DataLoader(PlainStream(N), 3, collate_fn=ragged_collate)]
+    full_rounds = len(plain) // n
+    for r, rank in enumerate(results):
+        assert rank["dispatch_uneven"] == plain[r : full_rounds * n : n]
