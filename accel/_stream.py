@@ -85,6 +85,8 @@ def open_stream(
         )
         return DispatchStream(ctx, loader, plan), reason
     kind, reason = split_kind(loader.dataset)
+    if kind == "datasets":
+        reason += _datasets_split(loader.dataset, plan)
     if kind is None and loader.num_workers > 0:
         warnings.warn(
             f"shard_loader: num_workers={loader.num_workers} is not used: {reason}. Give the "
@@ -94,6 +96,31 @@ def open_stream(
             stacklevel=4,
         )
     return (SplitStream(ctx, loader, plan, kind) if kind is not None else None), reason
+
+
+def _datasets_split(dataset: Any, plan: ShardPlan) -> str:
+    """Which way split_dataset_by_node takes here, or that the user has split it already."""
+    # `_distributed` is where datasets records a split_dataset_by_node call (no public name).
+    done = getattr(dataset, "_distributed", None)
+    if done is not None:
+        if (done.rank, done.world_size) != (plan.rank, plan.world_size):
+            raise ValueError(
+                f"shard_loader: the datasets stream was split for rank={done.rank}, "
+                f"world_size={done.world_size} (split_dataset_by_node) but this is rank "
+                f"{plan.rank} of {plan.world_size}. Pass the unsplit dataset: shard_loader "
+                "splits it for each rank itself."
+            )
+        return (
+            f"; already split by split_dataset_by_node(rank={done.rank}, world_size="
+            f"{done.world_size}): used as this rank's part, not split again"
+        )
+    num_shards = int(getattr(dataset, "num_shards", 0))
+    if num_shards % plan.world_size == 0:
+        return f"; here by shards: {num_shards} shards over {plan.world_size} ranks"
+    return (
+        f"; here by examples: {num_shards} shards do not divide among {plan.world_size} "
+        "ranks, so every rank decodes every example and keeps its own"
+    )
 
 
 def warn_reread(dataset: object, num_samples: int) -> None:
@@ -214,7 +241,7 @@ class SplitStream:
         self, ctx: RunContext, loader: DataLoader[Any], plan: ShardPlan, kind: SplitKind
     ) -> None:
         dataset: Any = loader.dataset
-        if kind == "datasets":
+        if kind == "datasets" and getattr(dataset, "_distributed", None) is None:
             # Imported here: `datasets` is optional and only present when the user has it.
             from datasets.distributed import split_dataset_by_node
 

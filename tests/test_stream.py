@@ -279,3 +279,27 @@ def test_a_stream_that_cannot_split_resumes_by_rereading_with_a_warning() -> Non
     reference = _run(make, [])
     with pytest.warns(UserWarning, match=r"re-reads the first 6 samples of PlainStream"):
         assert _run(make, [3]) == reference
+
+
+@pytest.mark.parametrize(("files", "how"), [(4, "by shards: 4 shards"), (3, "by examples")])
+def test_describe_says_how_a_datasets_stream_splits_at_this_world_size(
+    tmp_path: Path, files: int, how: str
+) -> None:
+    paths = write_json_shards(tmp_path / "json", [2] * files)
+    dataset = hf_stream(paths, str(tmp_path / "cache"))
+    ctx = RunContext(rank=1, world_size=2)  # built by hand: nothing is read here
+    loader = accel.shard_loader(ctx, DataLoader(dataset, batch_size=2))
+    assert f"here {how}" in loader.describe()
+
+
+def test_a_datasets_stream_the_user_split_already_is_not_split_twice(tmp_path: Path) -> None:
+    from datasets.distributed import split_dataset_by_node
+
+    paths = write_json_shards(tmp_path / "json", [2] * 4)
+    ctx = RunContext(rank=1, world_size=2)
+    mine = split_dataset_by_node(hf_stream(paths, str(tmp_path / "cache")), rank=1, world_size=2)
+    loader = accel.shard_loader(ctx, DataLoader(mine, batch_size=2))
+    assert "already split by split_dataset_by_node(rank=1, world_size=2)" in loader.describe()
+    other = split_dataset_by_node(hf_stream(paths, str(tmp_path / "cache")), rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"split for rank=0, world_size=4 .* rank 1 of 2"):
+        accel.shard_loader(ctx, DataLoader(other, batch_size=2))

@@ -48,10 +48,16 @@ def _make(kind: str, folder: str, num_workers: int, **options: Any) -> Any:
     elif kind == "shard":
         dataset = ShardList(list(range(N)), reads_dir)
     else:
-        files = JSON_SIZES if kind == "datasets" else JSON_ODD
-        paths = sorted(str(p) for p in Path(folder, kind).glob("*.jsonl"))
+        base = kind.removesuffix("_presplit")
+        files = JSON_SIZES if base == "datasets" else JSON_ODD
+        paths = sorted(str(p) for p in Path(folder, base).glob("*.jsonl"))
         assert len(paths) == len(files)
         dataset = hf_stream(paths, f"{folder}/cache")
+        if kind.endswith("_presplit"):  # split by the user, as with Accelerate: not again
+            from datasets.distributed import split_dataset_by_node
+
+            rank, world_size = options.pop("rank"), options.pop("world_size")
+            dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
     return DataLoader(dataset, batch_size=3, num_workers=num_workers, **options)
 
 
@@ -66,9 +72,10 @@ def _epoch(ctx: accel.RunContext, loader: accel.ShardedLoader) -> dict[str, Any]
 
 def _exactly_once_world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in ("gen", "shard", "datasets", "datasets_odd"):
+    for kind in ("gen", "shard", "datasets", "datasets_odd", "datasets_presplit"):
         for num_workers in (0, 1, 2):
-            loader = accel.shard_loader(ctx, _make(kind, folder, num_workers))
+            where = {"rank": ctx.rank, "world_size": ctx.world_size} if "presplit" in kind else {}
+            loader = accel.shard_loader(ctx, _make(kind, folder, num_workers, **where))
             out[kind, num_workers] = _epoch(ctx, loader)
             out[kind, num_workers, "describe"] = loader.describe()
     # uneven parts: rank 0's parts are long, the last rank's are empty
@@ -100,13 +107,14 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return n, folder, run_world(_exactly_once_world, world_size=n, timeout=300, args=(str(folder),))
 
 
-@pytest.mark.parametrize("kind", ["gen", "shard", "datasets", "datasets_odd"])
+@pytest.mark.parametrize("kind", ["gen", "shard", "datasets", "datasets_odd", "datasets_presplit"])
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_union_of_all_ranks_is_the_stream_exactly_once(
     world: Any, kind: str, num_workers: int
 ) -> None:
     n, folder, results = world
     total = {"gen": N, "shard": N, "datasets": sum(JSON_SIZES), "datasets_odd": sum(JSON_ODD)}
+    total["datasets_presplit"] = total["datasets"]
     ranks = [r[kind, num_workers] for r in results]
     real = [i for r in ranks for batch, pad in r["mine"] for i in batch[: len(batch) - pad]]
     assert sorted(real) == list(range(total[kind]))  # no sample twice, none missing
