@@ -169,12 +169,15 @@ def _resume_world(ctx: accel.RunContext, folder: str, kind: str) -> dict[str, An
     return {"reference": reference, "runs": runs}
 
 
-@pytest.mark.parametrize("kind", ["gen", "shard", "datasets"])
+@pytest.mark.parametrize(
+    ("kind", "world_size"), [("gen", 2), ("shard", 2), ("datasets", 2), ("gen", 4)]
+)
 def test_resume_twice_at_every_position_equals_the_uninterrupted_run(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, world_size: int
 ) -> None:
     write_json_shards(tmp_path / "datasets", JSON_SIZES)
-    results = run_world(_resume_world, world_size=2, timeout=300, args=(str(tmp_path), kind))
+    args = (str(tmp_path), kind)
+    results = run_world(_resume_world, world_size=world_size, timeout=300, args=args)
     for rank in results:
         assert len(rank["runs"]) == len(rank["reference"]) + 1 >= 4
         for stops, got in rank["runs"].items():
