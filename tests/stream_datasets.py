@@ -115,3 +115,9 @@ def ragged_collate(samples: list[int]) -> Any:
 
     width = max(i % 4 + 1 for i in samples)
     return torch.tensor([[i] * (i % 4 + 1) + [-1] * (width - i % 4 - 1) for i in samples])
+
+
+def log_example(example: dict[str, Any], folder: str) -> dict[str, Any]:
+    """A datasets `.map` function that logs each example it is given (i.e. each one read)."""
+    _log(folder, int(example["id"]))
+    return example

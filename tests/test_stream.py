@@ -6,6 +6,7 @@ The multi-rank checks (2 and 4 ranks, uneven ends) are in tests/dist/test_stream
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections import Counter
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.stream_datasets import (
     PlainStream,
     ShardList,
     hf_stream,
+    log_example,
     ragged_collate,
     reads,
     write_json_shards,
@@ -146,12 +148,20 @@ def test_resume_datasets_streaming_from_its_own_state(tmp_path: Path) -> None:
 
     def make() -> accel.ShardedLoader:
         dataset = hf_stream(paths, str(tmp_path / "cache"))
+        dataset = dataset.map(functools.partial(log_example, folder=str(tmp_path)))
         return accel.shard_loader(CTX, DataLoader(dataset, batch_size=2, num_workers=2))
 
     reference = _run(make, [])
     assert sorted(i for b in reference for i in b) == list(range(21))
     for first in range(0, len(reference) + 1, 3):
+        for f in tmp_path.glob("reads-*"):
+            f.unlink()
         assert _run(make, [first, first + 2]) == reference, first
+        # resumed from the dataset's own state: what was yielded before the stop is not read
+        # again (what the workers had read ahead of it is)
+        counts = Counter(reads(tmp_path))
+        assert set(counts) == set(range(21))  # every example read, and logged, at least once
+        assert all(counts[i] == 1 for b in reference[:first] for i in b), first
 
 
 def test_resume_needs_the_same_number_of_workers() -> None:
