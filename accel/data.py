@@ -22,6 +22,7 @@ from torch.utils.data import (
 )
 
 from accel._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_indices
+from accel._stream import DISPATCH_NEEDS_STREAM, describe, open_stream, warn_reread
 from accel._tree import flatten, send_to_device, unflatten
 from accel.collectives import _pad, gather_leaves, gather_parts
 from accel.context import RunContext
@@ -52,6 +53,7 @@ class ShardedLoader:
         device_placement: bool,
         non_blocking: bool,
         seed: int,
+        dispatch_batches: bool = False,
     ) -> None:
         self._ctx = ctx
         self.loader = loader
@@ -69,6 +71,9 @@ class ShardedLoader:
         self._yielded: tuple[list[list[ShardBatch]], int] | None = None
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
+        # Iterable streams that split, or are dispatched, go to accel._stream; others below.
+        opened = open_stream(ctx, loader, plan, dispatch_batches) if self._iterable else None
+        self._stream, self._stream_reason = opened or (None, "")
 
     # -- the plan for an epoch ---------------------------------------------------------------
 
@@ -109,6 +114,11 @@ class ShardedLoader:
             self.epoch, self.position, self._resume = epoch, 0, False
 
     def __len__(self) -> int:
+        if self._stream is not None:
+            raise TypeError(
+                f"len(ShardedLoader): {self._stream_reason}; how many batches each rank gets "
+                "depends on how the stream splits, which is known only at its end."
+            )
         if self._iterable:
             n = len(self.loader.dataset)  # type: ignore[arg-type]
             per_chunk = self._chunk_size()
@@ -123,7 +133,13 @@ class ShardedLoader:
         return self._run_pass(self.epoch)
 
     def _run_pass(self, epoch: int) -> Iterator[Any]:
-        if self._iterable:
+        if self._stream is not None:  # its length is known only at its end
+            generator = self.loader.generator
+            if generator is None:  # as in _iterate_map: workers seeded from (seed, epoch, rank)
+                generator = epoch_generator(self._seed, epoch, self.plan.rank)
+            batches = self._stream.iterate(epoch, position=self.position, generator=generator)
+            total = -1
+        elif self._iterable:
             batches, total = self._iterate_iterable(), -1
         else:
             batches, total = self._iterate_map(), len(self._all_ranks(epoch)[self.plan.rank])
@@ -199,6 +215,8 @@ class ShardedLoader:
         first: list[Any] | None = None
         chunk: list[Any] = []
         index = 0
+        if self.position:  # a stream cannot seek: re-read up to the position
+            warn_reread(self.loader.dataset, self.position * per_chunk)
 
         def emit(chunk: list[Any], num_real: int) -> Any:
             layout = tuple(self.plan.for_rank(r).iterable_slice(chunk, num_real) for r in range(n))
@@ -226,6 +244,8 @@ class ShardedLoader:
     @property
     def _layout(self) -> Layout:
         """(size, padding) on every rank of the batch index this loader yielded last."""
+        if self._stream is not None:
+            return self._stream.layout
         if self._iterable:
             return self._chunk_layout
         if self._yielded is None:
@@ -249,13 +269,16 @@ class ShardedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and position (plain ints), plus what a resumed run must match."""
-        return {
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "position": self.position,
             "world_size": self.plan.world_size,
             "dataset_length": self._dataset_length(),
             "seed": self._seed,
         }
+        if self._stream is not None:  # each worker's place in its part of the stream
+            state["stream"] = self._stream.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`: the next iteration yields the batch after the last one seen."""
@@ -268,9 +291,27 @@ class ShardedLoader:
                     "means the same batches with the same world size and dataset. Resume with "
                     "the original setting, or start the epoch afresh with set_epoch()."
                 )
+        if self._stream is not None and int(state["position"]) > 0:
+            self._stream.load_state_dict(state.get("stream"))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._seed = int(state.get("seed", self._seed))
         self._resume = True
+
+    def describe(self) -> str:
+        """How this loader reads its dataset on this rank (layout; how a stream is split).
+
+        Returns:
+            Lines of text: the layout settings, then how the dataset is read and why.
+
+        Example:
+
+        >>> from torch.utils.data import DataLoader
+        >>> loader = shard_loader(RunContext(rank=1, world_size=2), DataLoader(range(4)))
+        >>> print(loader.describe().splitlines()[0])
+        rank 1 of 2, batch_size=1, even_batches=True, split_batches=False, drop_last=False
+        """
+        reason = self._stream_reason or f"map-style {type(self.loader.dataset).__name__}"
+        return describe(self.plan, reason, self._stream)
 
 
 def shard_loader(
@@ -282,6 +323,7 @@ def shard_loader(
     device_placement: bool = True,
     non_blocking: bool = False,
     seed: int | None = None,
+    dispatch_batches: bool = False,
 ) -> ShardedLoader:
     """Return this rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
 
@@ -290,8 +332,11 @@ def shard_loader(
     the start of the epoch so all ranks take the same number of steps; `gather_for_metrics` drops
     those repeats. A shuffling loader (`shuffle=True`) gets the same order on every rank, from
     `seed` (default `ctx.seed`, else 0) and the epoch. Batches are moved to `ctx.device` unless
-    `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory;
-    iterable datasets are read in the main process by every rank, each keeping its slice.
+    `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory.
+    An iterable dataset that can split itself (`datasets.IterableDataset`, `iter_shard` or
+    `shard`) is read by the workers of every rank, each (rank, worker) reading only its part;
+    with `dispatch_batches=True` rank 0 reads it and sends every rank its batch; any other is
+    read whole by every rank, each keeping its slice (`describe()` says which, and why).
 
     Args:
         ctx: the run context; its rank and world size pick the batches, and `ctx.device` is
@@ -305,6 +350,8 @@ def shard_loader(
         non_blocking: move them with `non_blocking=True` (useful with pinned memory); default
             False.
         seed: the shuffling seed shared by every rank; default `ctx.seed`, else 0.
+        dispatch_batches: rank 0 reads an iterable dataset and sends every rank its batch
+            (Accelerate's `dispatch_batches`); default False.
 
     Returns:
         A `ShardedLoader` yielding this rank's batches. Each full pass advances its epoch (a
@@ -315,6 +362,8 @@ def shard_loader(
         TypeError: for a `loader` that is not a torch `DataLoader`.
         ValueError: for an iterable dataset without a batch size, or `split_batches` with a
             batch size that is missing or not divisible by `world_size`.
+        NotImplementedError: for `dispatch_batches=True` with a map-style dataset or with
+            `split_batches`.
 
     Example:
 
@@ -330,6 +379,9 @@ def shard_loader(
             f"shard_loader: loader={type(loader).__name__} is not a torch DataLoader; wrap the "
             "dataset in torch.utils.data.DataLoader(dataset, batch_size=...)."
         )
+    if dispatch_batches and (split_batches or not isinstance(loader.dataset, IterableDataset)):
+        name = type(loader.dataset).__name__
+        raise NotImplementedError(DISPATCH_NEEDS_STREAM.format(name=name, split=split_batches))
     if isinstance(loader.dataset, IterableDataset) and loader.batch_size is None:
         raise ValueError(
             "shard_loader: an iterable dataset needs a DataLoader with a batch_size; the stream "
@@ -353,6 +405,7 @@ def shard_loader(
         device_placement=device_placement,
         non_blocking=non_blocking,
         seed=seed,
+        dispatch_batches=dispatch_batches,
     )
 
 

@@ -1,0 +1,80 @@
+"""run_world ranks can start DataLoader workers and are killed with them at the hard timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from accel import RunContext, gather
+from accel.testing import run_world
+
+pytestmark = pytest.mark.dist
+
+
+class _Pids(IterableDataset[int]):
+    """Yields the pid of the worker that reads it, then (optionally) blocks forever."""
+
+    def __init__(self, folder: str, hang: bool) -> None:
+        self.folder, self.hang = folder, hang
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None  # read by a worker, never in the rank itself
+        Path(self.folder, f"worker-{os.getpid()}").write_text(str(os.getppid()))
+        yield os.getpid()
+        while self.hang:
+            time.sleep(0.1)
+
+
+def _read_with_workers(ctx: RunContext, folder: str, hang: bool) -> list[int]:
+    pids = [int(p) for p in DataLoader(_Pids(folder, hang), batch_size=None, num_workers=2)]
+    return gather(ctx, torch.tensor(pids)).tolist()
+
+
+def test_ranks_can_start_dataloader_workers(tmp_path: Path) -> None:
+    results = run_world(_read_with_workers, world_size=2, timeout=60, args=(str(tmp_path), False))
+    workers = {int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")}
+    assert len(workers) == 4  # 2 ranks x 2 workers, all different processes
+    assert results[0] == results[1]
+    assert set(results[0]) == workers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child not yet reaped by its (dead) parent is a zombie: gone for our purpose
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_timeout_kills_ranks_and_their_workers(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running"):
+        run_world(_read_with_workers, world_size=2, timeout=15, args=(str(tmp_path), True))
+    workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+    assert len(workers) == 4
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if _alive(p)], "DataLoader workers outlived their killed rank"
+
+
+def _start_method(ctx: RunContext) -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_ranks_start_workers_with_the_platform_default_method() -> None:
+    import multiprocessing
+
+    # as under torchrun: not "spawn" inherited from run_world (seconds per worker)
+    default = multiprocessing.get_all_start_methods()[0]
+    assert run_world(_start_method, world_size=1, timeout=60) == [default]
