@@ -11,6 +11,10 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_SEED`             | `seed`             | int                    |
 | `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
 | `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
+| `ACCEL_DP_REPLICATE_SIZE` | `parallelism`   | int >= 1 or -1 (fill)  |
+| `ACCEL_DP_SHARD_SIZE`    | `parallelism`      | int >= 1 or -1         |
+| `ACCEL_CP_SIZE`          | `parallelism`      | int >= 1 or -1         |
+| `ACCEL_TP_SIZE`          | `parallelism`      | int >= 1 or -1         |
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast, get_args
 
+from accel._parallelism import Parallelism
 from accel._typing import Precision
 
 __all__ = ["Config", "default_config_path", "load_config"]
@@ -31,6 +36,14 @@ ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
 ENV_SEED = "ACCEL_SEED"
 ENV_DEVICE = "ACCEL_DEVICE"
 ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
+ENV_MESH = MappingProxyType(
+    {
+        "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
+        "dp_shard": "ACCEL_DP_SHARD_SIZE",
+        "cp": "ACCEL_CP_SIZE",
+        "tp": "ACCEL_TP_SIZE",
+    }
+)
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
 _DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
@@ -284,6 +297,18 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                     f"init_distributed: {var}={environ[var]!r} must be an integer."
                 ) from None
             found[name] = (number, f"env {var}")
+    mesh_vars = {dim: var for dim, var in ENV_MESH.items() if var in environ}
+    if mesh_vars:
+        sizes = {}
+        for dim, var in mesh_vars.items():
+            try:
+                sizes[dim] = int(environ[var])
+            except ValueError:
+                raise ValueError(
+                    f"init_distributed: {var}={environ[var]!r} must be an integer >= 1 or -1."
+                ) from None
+        source = "env " + ", ".join(mesh_vars.values())
+        found["parallelism"] = (Parallelism(**sizes), source)
     return found
 
 

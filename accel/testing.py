@@ -24,7 +24,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from accel.context import RunContext
+from accel._mesh import with_mesh
+from accel.context import Parallelism, RunContext
 
 __all__ = ["RemoteTraceback", "run_world"]
 
@@ -44,6 +45,7 @@ def _worker(
     timeout_s: float,
     args: Sequence[Any],
     outdir: str,
+    parallelism: Parallelism | None,
 ) -> None:
     out = Path(outdir)
     timeout = timedelta(seconds=timeout_s)
@@ -60,6 +62,8 @@ def _worker(
         backend="gloo", timeout=timeout, sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
+        if parallelism is not None:
+            ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
         result = fn(ctx, *args)
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the
@@ -95,6 +99,7 @@ def run_world(
     world_size: int = 2,
     timeout: float = 60,
     args: Sequence[Any] = (),
+    parallelism: Parallelism | None = None,
 ) -> list[Any]:
     """Call `fn(ctx, *args)` in `world_size` spawned processes over gloo; return their results.
 
@@ -106,6 +111,8 @@ def run_world(
         world_size: how many processes.
         timeout: seconds the whole world may take; then every process is killed.
         args: extra positional arguments for `fn` (picklable).
+        parallelism: mesh sizes; each rank's `ctx` then carries them and their `DeviceMesh`,
+            as `init_distributed(parallelism=...)` gives them.
 
     Returns:
         The return values of `fn`, in rank order.
@@ -129,7 +136,7 @@ def run_world(
         procs = [
             spawn.Process(
                 target=_worker,
-                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir),
+                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir, parallelism),
                 name=f"accel-rank-{rank}",
                 daemon=True,
             )
