@@ -24,8 +24,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from accel._mesh import with_mesh
 from accel.context import Parallelism, RunContext
+from accel.parallel._mesh import with_mesh
 
 __all__ = ["RemoteTraceback", "run_world"]
 

@@ -91,7 +91,17 @@ PACKAGE = Path(accel.__file__).parent
 # Private modules at the top of the package serve several concerns; a private module of one
 # concern lives in that concern's subpackage (checkpoint/, big_model/, parallel/, cli/).
 SHARED_PRIVATE = frozenset(
-    {"_exit", "_groups", "_launcher", "_shard_plan", "_size", "_tree", "_typing", "_version"}
+    {
+        "_exit",
+        "_groups",
+        "_launcher",
+        "_parallelism",
+        "_shard_plan",
+        "_size",
+        "_tree",
+        "_typing",
+        "_version",
+    }
 )
 
 

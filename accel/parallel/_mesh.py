@@ -13,8 +13,9 @@ def check_cp(owner: str, parallelism: Parallelism, device_type: str) -> None:
     """Refuse context parallelism where torch has no implementation to run it."""
     if parallelism.cp > 1 and device_type != "cuda":
         # torch's context_parallel rewrites SDPA into ring attention over the CUDA flash and
-        # efficient kernels; on CPU (and gloo) there is no such path, so a cp dimension would
-        # only split data the model then attends over wrongly.
+        # efficient kernels. On torch 2.13's CPU build it fails with "Operator
+        # aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+        # strategy registered" (checked with gloo at 2 ranks), so cp is refused up front.
         raise NotImplementedError(
             f"{owner}: parallelism cp={parallelism.cp} needs CUDA devices (torch's "
             "context_parallel ring attention runs on the CUDA SDPA kernels only); this run is "

@@ -1,0 +1,125 @@
+"""N-D parallelism at 4 gloo ranks equals the one-process full-batch reference.
+
+Each mesh shape trains the small Llama-style model of `_llama.py` for a few optimizer steps with
+accumulation 2 and gradient clipping; the parent trains the same model on the whole global batch
+in one process. Parameters, losses and gradient norms must agree to float reduction order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+import accel
+from accel import FSDPOptions, Parallelism
+from accel.testing import run_world
+from tests.dist._llama import TP_PLAN, Block, batches, full_param, lm_loss, make_model, reference
+
+pytestmark = pytest.mark.dist
+
+STEPS, GLOBAL_BATCH, ACCUM, LR, MAX_NORM = 3, 8, 2, 0.5, 0.5
+
+MESHES = {
+    "fsdp2xtp2": (Parallelism(dp_shard=2, tp=2), {}),
+    "hsdp2x2": (Parallelism(dp_replicate=2, dp_shard=2), {}),
+    "tp4": (Parallelism(tp=4), {}),
+    "fsdp4_activation_checkpointing": (Parallelism(dp_shard=4), {"ac": True}),
+    "fsdp2xtp2_regional_compile": (Parallelism(dp_shard=2, tp=2), {"compile": "regional"}),
+}
+
+
+def _train(ctx: accel.RunContext, options: dict[str, Any]) -> dict[str, Any]:
+    ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
+    p = ctx.parallelism
+    assert p is not None
+    fsdp = None
+    if p.dp_shard > 1:
+        fsdp = FSDPOptions(
+            layer_classes=(Block,), activation_checkpointing=options.get("ac", False)
+        )
+    model = accel.wrap_model(
+        ctx, make_model(), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp,
+        compile=options.get("compile", False),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    attention_calls = [0]  # twice per micro-step when activations are recomputed in backward
+    inner = accel.unwrap_model(model)
+    inner.layers[0].attention.register_forward_pre_hook(
+        lambda *_: attention_calls.__setitem__(0, attention_calls[0] + 1)
+    )
+    dp = accel.along(ctx, "dp")
+    per_rank = GLOBAL_BATCH // ctx.dp_size
+    micro = per_rank // ACCUM
+    losses, norms = [], []
+    for step, tokens in enumerate(batches(STEPS, GLOBAL_BATCH)):
+        mine = tokens[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
+        total = torch.zeros(())
+        for m in range(ACCUM):
+            with accel.accumulate(ctx, model, step * ACCUM + m):
+                loss = lm_loss(model, mine[m * micro : (m + 1) * micro])
+                accel.scaled_backward(ctx, loss)
+            total += loss.detach() / ACCUM
+        norms.append(accel.clip_grad_norm_(ctx, model, MAX_NORM).item())
+        assert accel.optimizer_step(ctx, opt)
+        opt.zero_grad()
+        losses.append(accel.reduce(dp, total, op="mean").item())
+    meshes = {
+        name: tuple(q.device_mesh.mesh_dim_names) if hasattr(q, "device_mesh") else None
+        for name, q in inner.named_parameters()
+    }
+    params = {name: full_param(q) for name, q in inner.named_parameters()}
+    groups = {
+        dim: accel.gather(accel.along(ctx, dim), torch.tensor([ctx.rank])).tolist()
+        for dim in ("dp", "tp")
+    }
+    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in inner.layers]
+    return {"losses": losses, "norms": norms, "params": params if ctx.rank == 0 else None,
+            "meshes": meshes, "groups": groups, "attention_calls": attention_calls[0],
+            "compiled": compiled}  # fmt: skip
+
+
+@cache
+def _reference() -> dict[str, Any]:
+    return reference(batches(STEPS, GLOBAL_BATCH), lr=LR, max_norm=MAX_NORM)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_parameters_losses_and_norms_equal_the_full_batch_reference(name: str) -> None:
+    parallelism, options = MESHES[name]
+    results = run_world(_train, world_size=4, args=(options,), parallelism=parallelism, timeout=120)
+    ref = _reference()
+    for rank, out in enumerate(results):
+        assert out["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
+        assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5), rank
+    params = results[0]["params"]
+    assert params.keys() == ref["params"].keys()
+    worst = max(_close(params[n], ref["params"][n]) for n in params)
+    assert worst <= 1e-5, worst
+    # The model really is split as the mesh says: TP layers on tp, the rest sharded over dp.
+    meshes = results[0]["meshes"]
+    wq, norm = meshes["layers.0.attention.wq.weight"], meshes["norm.weight"]
+    expected = {
+        "fsdp2xtp2": (("dp_shard", "tp"), ("dp_shard",)),
+        "fsdp2xtp2_regional_compile": (("dp_shard", "tp"), ("dp_shard",)),
+        "hsdp2x2": (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard")),
+        "tp4": (("tp",), None),
+        "fsdp4_activation_checkpointing": (("dp_shard",), ("dp_shard",)),
+    }[name]
+    assert (wq, norm) == expected
+    recomputed = options.get("ac", False)
+    if options.get("compile") != "regional":  # a compiled block runs its hooks when traced
+        assert results[0]["attention_calls"] == STEPS * ACCUM * (2 if recomputed else 1)
+    assert results[0]["compiled"] == [options.get("compile") == "regional"] * 2
+    sizes = parallelism.resolve(4)
+    for rank, out in enumerate(results):
+        tp_peers = [r for r in range(4) if r // sizes.tp == rank // sizes.tp]
+        dp_peers = [r for r in range(4) if r % sizes.tp == rank % sizes.tp]
+        assert out["groups"] == {"tp": tp_peers, "dp": dp_peers}
