@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel._groups import comm_device, named_collective, require_group
-from accel.context import RunContext
+from accel.context import RunContext, along
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
@@ -94,7 +94,7 @@ def _labels(batch: Any) -> torch.Tensor:
 
 
 def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index: int = -100) -> int:
-    """Count the labels that are not `ignore_index` in `batches`, summed over all ranks.
+    """Count the labels that are not `ignore_index` in `batches`, summed over the dp ranks.
 
     Pass the micro-batches of one optimizer step (label tensors, or dicts with "labels").
     For a loss that is the mean over every token of the global batch under accumulation and
@@ -102,7 +102,7 @@ def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index:
     `scaled_backward`'s division by `grad_accum_steps` cancel::
 
         n = num_items_in_batch(ctx, window)
-        scale = ctx.world_size * ctx.grad_accum_steps / n
+        scale = ctx.dp_size * ctx.grad_accum_steps / n
         loss = F.cross_entropy(logits, y, reduction="sum") * scale
 
     Example:
@@ -111,6 +111,7 @@ def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index:
     >>> num_items_in_batch(RunContext.single(), [torch.tensor([1, -100, 3]), torch.tensor([5])])
     3
     """
+    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same labels
     count = torch.zeros((), dtype=torch.int64)
     for batch in batches:
         count += _labels(batch).ne(ignore_index).sum().cpu()

@@ -26,7 +26,7 @@ from torch.utils.data import (
 from accel._shard_plan import ShardBatch, ShardPlan
 from accel._tree import send_to_device, tensor_leaves, unflatten
 from accel.collectives import _pad, gather_leaves
-from accel.context import RunContext
+from accel.context import RunContext, along
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
 
@@ -362,6 +362,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "gather_for_metrics: the loader has not yielded a batch yet; call it inside the "
             "loop over the loader, after each batch."
         )
+    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
     leaves, treedef = tensor_leaves("gather_for_metrics", tree)
     layout = loader._layout
     mine = layout[ctx.rank][0]

@@ -97,3 +97,21 @@ def test_context_parallelism_is_refused_off_cuda() -> None:
 
     with pytest.raises(NotImplementedError, match=r"cp=2 needs CUDA"):
         check_cp("init_distributed", Parallelism(cp=2), torch.device("cpu").type)
+
+
+def test_tensor_parallel_peers_get_the_same_batches() -> None:
+    from torch.utils.data import DataLoader
+
+    p = Parallelism(dp_shard=2, tp=2)
+    seen = [
+        [
+            b.tolist()
+            for b in accel.shard_loader(
+                RunContext(rank=r, world_size=4, parallelism=p),
+                DataLoader(list(range(8)), batch_size=2),
+            )
+        ]
+        for r in range(4)
+    ]
+    assert seen[0] == seen[1] == [[0, 1], [4, 5]]
+    assert seen[2] == seen[3] == [[2, 3], [6, 7]]

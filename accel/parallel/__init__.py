@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
-from accel._parallelism import CompileMode, Parallelism
+from accel._parallelism import CompileMode, FSDPOptions, Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
-from accel.parallel._fsdp import REPLACED, FSDPOptions
+from accel.parallel._fsdp import REPLACED
 
 __all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
 
@@ -218,7 +218,7 @@ def _mesh_dim(ctx: RunContext, *names: str) -> Any:
 
 
 def _fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
-    if ctx.mesh is None and p.dp_shard * p.cp == ctx.world_size:
+    if ctx.parallelism is None or (ctx.mesh is None and p.dp_shard * p.cp == ctx.world_size):
         return _fsdp.world_mesh(ctx)  # sharding over the whole group needs no mesh of ours
     shard = "dp_shard_cp" if p.cp > 1 and p.dp_shard > 1 else ("cp" if p.cp > 1 else "dp_shard")
     if p.dp_replicate > 1:

@@ -123,3 +123,27 @@ def test_parameters_losses_and_norms_equal_the_full_batch_reference(name: str) -
         tp_peers = [r for r in range(4) if r // sizes.tp == rank // sizes.tp]
         dp_peers = [r for r in range(4) if r % sizes.tp == rank % sizes.tp]
         assert out["groups"] == {"tp": tp_peers, "dp": dp_peers}
+
+
+def _data_over_dp(ctx: accel.RunContext) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+
+    loader = accel.shard_loader(ctx, DataLoader(list(range(10)), batch_size=2))
+    gathered, batches = [], []
+    for batch in loader:
+        batches.append(batch.tolist())
+        gathered.extend(accel.gather_for_metrics(ctx, batch, loader=loader).tolist())
+    labels = torch.full((3,), ctx.dp_rank)  # tp peers hold the same labels
+    return {
+        "batches": batches,
+        "gathered": gathered,
+        "num_items": accel.num_items_in_batch(ctx, [labels], ignore_index=-100),
+    }
+
+
+def test_data_is_sharded_gathered_and_counted_over_the_data_parallel_ranks() -> None:
+    results = run_world(_data_over_dp, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
+    assert [r["batches"] for r in results] == [[[0, 1], [4, 5], [8, 9]]] * 2 + [[[2, 3], [6, 7], [0, 1]]] * 2
+    for out in results:
+        assert out["gathered"] == list(range(10))  # every sample once, repeats dropped
+        assert out["num_items"] == 6  # 3 labels on each of the 2 data-parallel ranks
