@@ -147,3 +147,40 @@ def test_data_is_sharded_gathered_and_counted_over_the_data_parallel_ranks() -> 
     for out in results:
         assert out["gathered"] == list(range(10))  # every sample once, repeats dropped
         assert out["num_items"] == 6  # 3 labels on each of the 2 data-parallel ranks
+
+
+def _fp16_inf_skips_everywhere(ctx: accel.RunContext) -> dict[str, Any]:
+    ctx = dataclasses.replace(ctx, precision="fp16")
+    p = ctx.parallelism
+    assert p is not None
+    fsdp = FSDPOptions(layer_classes=(Block,)) if p.dp_shard > 1 else None
+    model = accel.wrap_model(ctx, make_model(), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = accel.make_scaler(ctx)
+    tokens = batches(2, GLOBAL_BATCH)
+    per_rank = GLOBAL_BATCH // ctx.dp_size
+    stepped, scales = [], []
+    for step in range(2):
+        with accel.autocast(ctx):
+            loss = lm_loss(model, tokens[step, ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank])
+        accel.scaled_backward(ctx, loss, scaler=scaler)
+        if step == 1 and ctx.rank == 3:  # one rank's own shard of one gradient overflows
+            grad = accel.unwrap_model(model).layers[1].feed_forward.w2.weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = float("inf")
+        before = [full_param(q) for q in model.parameters()]
+        accel.clip_grad_norm_(ctx, model, MAX_NORM, optimizer=opt, scaler=scaler)
+        stepped.append(accel.optimizer_step(ctx, opt, scaler=scaler))
+        unchanged = all(torch.equal(a, full_param(q)) for a, q in zip(before, model.parameters(), strict=True))
+        scales.append((scaler.get_scale() if scaler else 0.0, unchanged))
+        opt.zero_grad()
+    return {"stepped": stepped, "scales": scales}
+
+
+@pytest.mark.parametrize("parallelism", [Parallelism(dp_shard=2, tp=2), Parallelism(tp=4)], ids=["fsdp2xtp2", "tp4"])
+def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(parallelism: Parallelism) -> None:
+    results = run_world(_fp16_inf_skips_everywhere, world_size=4, parallelism=parallelism, timeout=120)
+    for out in results:
+        assert out["stepped"] == [True, False]
+        (first, moved), (second, kept) = out["scales"]
+        assert not moved and kept and second == first / 2
