@@ -184,3 +184,59 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(parallelism: Parallel
         assert out["stepped"] == [True, False]
         (first, moved), (second, kept) = out["scales"]
         assert not moved and kept and second == first / 2
+
+
+def _steps(ctx: accel.RunContext, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    data = batches(STEPS, GLOBAL_BATCH)
+    per_rank = GLOBAL_BATCH // ctx.dp_size
+    for step in steps:
+        tokens = data[step, ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
+        accel.scaled_backward(ctx, lm_loss(model, tokens))
+        accel.optimizer_step(ctx, opt)
+        opt.zero_grad()
+
+
+def _nd_model(ctx: accel.RunContext) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    p = ctx.parallelism
+    assert p is not None
+    fsdp = FSDPOptions(layer_classes=(Block,)) if p.dp_shard > 1 else None
+    model = accel.wrap_model(ctx, make_model(seed=5), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp)
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full_param(q) for n, q in accel.unwrap_model(model).named_parameters()}
+
+
+def _save_then_step(ctx: accel.RunContext, directory: str) -> dict[str, Any]:
+    model, opt = _nd_model(ctx)
+    _steps(ctx, model, opt, range(2))
+    accel.save_state(ctx, directory, model=model, optimizer=opt)
+    saved = _full_state(model)
+    _steps(ctx, model, opt, range(2, 3))
+    return {"saved": saved, "after": _full_state(model)}
+
+
+def _load_then_step(ctx: accel.RunContext, directory: str) -> dict[str, Any]:
+    model, opt = _nd_model(ctx)
+    accel.load_state(ctx, directory, model=model, optimizer=opt)
+    loaded = _full_state(model)
+    _steps(ctx, model, opt, range(2, 3))
+    return {"loaded": loaded, "after": _full_state(model)}
+
+
+def test_a_checkpoint_saved_at_one_mesh_shape_resumes_at_another(tmp_path: Any) -> None:
+    directory = str(tmp_path / "state")
+    saved = run_world(_save_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=2, tp=2))[0]
+    resumed = run_world(_load_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=4))
+    one = accel.RunContext.single(device="cpu")
+    model = make_model(seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    accel.load_state(one, directory, model=model, optimizer=opt)
+    single = {"loaded": _full_state(model)}
+    _steps(one, model, opt, range(2, 3))
+    single["after"] = _full_state(model)
+    for out in [*resumed, single]:
+        for name, value in saved["saved"].items():
+            assert torch.equal(out["loaded"][name], value), name  # bit-identical
+            assert _close(out["after"][name], saved["after"][name]) <= 1e-5, name
