@@ -174,7 +174,6 @@ def _apply(
     if choice.tp:
         raw = _tp.hf_plan(model) if tp_plan == "auto" else tp_plan
         plan = _tp.resolve_plan(model, raw, p.tp)
-    fsdp_mesh = _fsdp_mesh(ctx, p) if choice.data == "fsdp2" else None
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
     if (options.activation_checkpointing or compile == "regional") and not blocks:
@@ -183,6 +182,7 @@ def _apply(
             f"{type(model).__name__} has no nn.ModuleList of repeated blocks; name the block "
             "class: FSDPOptions(layer_classes=(Block,))."
         )
+    fsdp_mesh = _fsdp_mesh(ctx, p) if choice.data == "fsdp2" else None
     originals = list(model.parameters())
     model.to(ctx.device)
     if options.sync_module_states and ctx.world_size > 1:

@@ -240,3 +240,24 @@ def test_a_checkpoint_saved_at_one_mesh_shape_resumes_at_another(tmp_path: Any) 
         for name, value in saved["saved"].items():
             assert torch.equal(out["loaded"][name], value), name  # bit-identical
             assert _close(out["after"][name], saved["after"][name]) <= 1e-5, name
+
+
+def _hf_auto_plan(ctx: accel.RunContext) -> dict[str, Any]:
+    from tests.test_parallel import HFLike
+
+    plan = {k: v for k, v in TP_PLAN.items()}  # keys relative to the base model, as in HF
+    model = accel.wrap_model(ctx, HFLike(plan), tp_plan="auto")
+    tokens = batches(1, 2)[0]
+    with torch.no_grad():
+        out = model.model(tokens)
+    wq = model.model.layers[0].attention.wq.weight
+    return {"out": out, "wq": (type(wq).__name__, tuple(wq.to_local().shape))}
+
+
+def test_tp_plan_auto_reads_a_hugging_face_models_base_model_tp_plan() -> None:
+    results = run_world(_hf_auto_plan, world_size=2, parallelism=Parallelism(tp=2))
+    with torch.no_grad():
+        expected = make_model()(batches(1, 2)[0])
+    for out in results:
+        assert out["wq"] == ("DTensor", (8, 16))  # colwise: 16 output features over tp=2
+        assert _close(out["out"], expected) <= 1e-5
