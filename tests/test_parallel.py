@@ -58,6 +58,8 @@ class HFLike(nn.Module):
         ({"dp_shard": 2}, {"fsdp": FSDPOptions(layer_classes=("DecoderLayer",))}, ValueError,
          r"layer class 'DecoderLayer' matches no submodule of Llama; its module classes are"),
         ({"dp_shard": 2}, {"compile": "fast"}, ValueError, r"compile='fast' must be False, True"),
+        ({"dp_shard": 2}, {"fsdp": FSDPOptions(offload_params=True)}, NotImplementedError,
+         r"offload_params=True\) moves sharded parameters from an accelerator"),
     ],
 )  # fmt: skip
 def test_wrong_combinations_name_the_value_and_the_fix(

@@ -182,6 +182,12 @@ def _apply(
             f"{type(model).__name__} has no nn.ModuleList of repeated blocks; name the block "
             "class: FSDPOptions(layer_classes=(Block,))."
         )
+    if options.offload_params and ctx.device.type == "cpu":
+        raise NotImplementedError(
+            "wrap_model: FSDPOptions(offload_params=True) moves sharded parameters from an "
+            "accelerator to the CPU, and this run computes on the CPU already (FSDP2 refuses "
+            "it there). Drop offload_params, or run on CUDA."
+        )
     fsdp_mesh = _fsdp_mesh(ctx, p) if choice.data == "fsdp2" else None
     originals = list(model.parameters())
     model.to(ctx.device)

@@ -261,3 +261,27 @@ def test_tp_plan_auto_reads_a_hugging_face_models_base_model_tp_plan() -> None:
     for out in results:
         assert out["wq"] == ("DTensor", (8, 16))  # colwise: 16 output features over tp=2
         assert _close(out["out"], expected) <= 1e-5
+
+
+def _fsdp_options_apply(ctx: accel.RunContext) -> dict[str, Any]:
+    seen: list[torch.dtype] = []
+
+    def record(module: torch.nn.Module, _: Any) -> None:
+        seen.append(module.wq.weight.dtype)
+
+    # Different initial weights per rank: sync_module_states makes every rank start from rank 0's.
+    options = FSDPOptions(layer_classes=(Block,), sync_module_states=True, param_dtype="bf16")
+    model = accel.wrap_model(ctx, make_model(seed=ctx.rank), tp_plan=TP_PLAN, fsdp=options)
+    accel.unwrap_model(model).layers[0].attention.register_forward_pre_hook(record)
+    lm_loss(model, batches(1, 2)[0]).backward()
+    synced = _full_state(model)
+    return {"dtype": seen, "synced": synced if ctx.rank == 0 else None}
+
+
+def test_fsdp_options_sync_module_states_and_set_the_compute_dtype() -> None:
+    out = run_world(_fsdp_options_apply, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
+    reference = make_model(seed=0)
+    for name, value in reference.named_parameters():
+        assert torch.equal(out[0]["synced"][name], value.detach()), name
+    for rank in out:
+        assert rank["dtype"] == [torch.bfloat16]  # gathered in param_dtype for compute
