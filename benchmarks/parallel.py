@@ -26,10 +26,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.dist._llama
 
-import accel  # noqa: E402
-from accel import FSDPOptions, Parallelism  # noqa: E402
-from accel.testing import run_world  # noqa: E402
-from tests.dist._llama import TP_PLAN, Block, lm_loss, make_model  # noqa: E402
+import accel
+from accel import FSDPOptions, Parallelism
+from accel.testing import run_world
+from tests.dist._llama import TP_PLAN, Block, lm_loss, make_model
 
 SIZES = {"vocab": 512, "dim": 256, "heads": 8, "layers": 4}
 BATCH, SEQ = 16, 64
@@ -97,6 +97,7 @@ def _tokens(ctx: accel.RunContext) -> torch.Tensor:
 
 
 def _time(ctx: accel.RunContext, options: dict[str, Any], rounds: int, steps: int) -> list[float]:
+    torch.set_num_threads(1)  # 4 ranks share the machine's cores
     tokens = _tokens(ctx)
     hand = _by_hand(ctx, options)
     hand_opt = torch.optim.AdamW(hand.parameters(), lr=1e-4)
@@ -133,6 +134,7 @@ def _time(ctx: accel.RunContext, options: dict[str, Any], rounds: int, steps: in
 
 
 def _peak_rss(ctx: accel.RunContext, ac: bool, steps: int) -> float:
+    torch.set_num_threads(1)
     model = _with_accel(ctx, {"ac": ac})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, SIZES["vocab"], (4 * BATCH // ctx.dp_size, 4 * SEQ + 1))
@@ -146,18 +148,24 @@ def _peak_rss(ctx: accel.RunContext, ac: bool, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args().quick
+    parser.add_argument("--mesh", action="append", help="only these meshes (by table name)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory worlds")
+    cli = parser.parse_args()
+    quick = cli.quick
     rounds, steps = (4, 2) if quick else (10, 3)
-    torch.set_num_threads(1)
     print(f"4 gloo ranks, Llama-style {SIZES}, batch {BATCH} x seq {SEQ}, AdamW")
-    print(f"| mesh | accel / hand, best | median | rounds x steps |\n|---|---|---|---|")
+    print("| mesh | accel / hand, best | median | rounds x steps |\n|---|---|---|---|")
     for name, (parallelism, options) in MESHES.items():
+        if cli.mesh and name not in cli.mesh:
+            continue
         ratios = run_world(
             _time, world_size=4, args=(options, rounds, steps), parallelism=parallelism,
             timeout=1200,
         )[0]  # fmt: skip
         best, median = min(ratios), statistics.median(ratios)
         print(f"| {name} | {best:.3f}x | {median:.3f}x | {rounds} x {steps} |", flush=True)
+    if cli.no_memory:
+        return
     print("\n| dp_shard=4, 4x longer batch | peak RSS per rank (MiB), mean of ranks |\n|---|---|")
     for ac in (False, True):
         peaks = run_world(
