@@ -294,6 +294,8 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
         )
     rank, size = _coordinate(ctx, dim)
     sources = {**ctx.sources, "rank": f"along {dim!r}", "world_size": f"along {dim!r}"}
+    if size == ctx.world_size and ctx.parallelism is None:
+        return ctx  # pure data parallelism: "dp" is the context itself (no copy per call)
     if size == ctx.world_size:  # the whole world: same ranks, same group
         mesh = ctx.mesh if ctx.mesh is None or ctx.mesh.ndim == 1 else _submesh(ctx, dim)
         return dataclasses.replace(ctx, parallelism=None, mesh=mesh, sources=sources)
