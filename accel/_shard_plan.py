@@ -1,15 +1,22 @@
-"""Which indices each rank reads: pure arithmetic over the batches of one epoch.
+"""Which indices each rank reads: the epoch's sample order, then pure arithmetic over its batches.
+
+The order of a shuffling loader is Accelerate's seedable rule (`sampler_indices`): a
+`torch.Generator` seeded with `seed + epoch`, identical on every rank.
 
 The layout is the one Hugging Face Accelerate's `BatchSamplerShard` and `IterableDatasetShard`
 produce, so a migrating user sees the same samples on the same ranks:
 
+- one process: the batches as they are (Accelerate does not shard then), nothing padded;
 - batch k of the underlying batch sampler goes to rank k mod n;
 - `split_batches`: every batch is cut into n equal slices, slice r to rank r;
-- `drop_last`: the last, incomplete round is dropped;
+- `drop_last` (the DataLoader's, or a batch sampler's own `drop_last` attribute): the last,
+  incomplete round is dropped, so every rank has the same number of batches;
 - `even_batches` (and not `drop_last`): the last round is completed with samples cycled from the
   start of the epoch, so every rank gets the same number of batches of the same size. Those
   samples are padding: `ShardBatch.padding` counts them (they always sit at the batch's end),
-  and `gather_for_metrics` drops them.
+  and `gather_for_metrics` drops them. Batches of variable size (a batch sampler without a
+  batch size, which Accelerate refuses with even_batches) are completed with whole batches
+  from the start of the epoch.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+from torch.utils.data import RandomSampler, SequentialSampler
 from typing_extensions import Self
 
 from accel.context import RunContext
@@ -113,6 +123,8 @@ class ShardPlan:
 
     def shard(self, batches: Sequence[Sequence[int]]) -> list[ShardBatch]:
         """This rank's batches, given every underlying batch of the epoch in order."""
+        if self.world_size == 1:  # Accelerate does not shard for one process: nothing is padded
+            return [ShardBatch(tuple(b)) for b in batches]
         if self.split_batches:
             return self._split(batches)
         return self._round_robin(batches)
@@ -189,3 +201,43 @@ class ShardPlan:
         part = list(chunk[lo : lo + per])
         real = max(0, min(len(part), num_real - lo))
         return part, len(part) - real
+
+
+def epoch_generator(*parts: int) -> torch.Generator:
+    """A generator seeded from `parts` (seed, epoch, rank), the same on every call."""
+    value = 0
+    for part in parts:
+        value = value * 1_000_003 + part
+    # Folded into 64 bits: manual_seed refuses larger integers, which large seeds would reach.
+    return torch.Generator().manual_seed(value % 2**64)
+
+
+def _shuffle_generator(seed: int, epoch: int) -> torch.Generator:
+    """Accelerate's SeedableRandomSampler: a generator seeded with seed + epoch.
+
+    So `seed=s` gives the order of Accelerate's `use_seedable_sampler=True` run after
+    `set_seed(s)` (or with `data_seed=s`), epoch by epoch.
+    """
+    return torch.Generator().manual_seed((seed + epoch) % 2**64)
+
+
+def sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
+    """The sampler's indices for `epoch`, identical on every rank."""
+    if type(sampler) is RandomSampler:
+        # Same permutation on every rank from (seed, epoch): no RNG state to broadcast.
+        n = len(sampler.data_source)
+        if not sampler.replacement and sampler.num_samples == n:
+            # What RandomSampler yields with this generator, without its per-element generator.
+            return torch.randperm(n, generator=_shuffle_generator(seed, epoch)).tolist()
+        seeded = RandomSampler(
+            sampler.data_source,
+            replacement=sampler.replacement,
+            num_samples=sampler._num_samples,
+            generator=_shuffle_generator(seed, epoch),
+        )
+        return list(seeded)
+    if type(sampler) is SequentialSampler:
+        return list(range(len(sampler.data_source)))
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return [int(i) for i in sampler]

@@ -17,6 +17,11 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 def parse_size(fn: str, arg: str, size: object, *, minimum: int = 0) -> int:
     """Bytes in `size`: an int, or a string such as "5GB", "500MB" or "2GiB".
 
+    Strings read as Accelerate's `convert_file_size_to_int` reads them: "KB", "MB", "GB" are
+    powers of 10, "KiB", "MiB", "GiB" powers of 2, in any case, but a decimal unit ending in a
+    lowercase "b" counts bits ("500Mb" is 62.5 MB). "TB", "TiB", "B" and bare numbers, which
+    Accelerate refuses, are read the same way.
+
     Args:
         fn: the public function asking, named in the error.
         arg: how the argument is written in that call (`max_shard_size`, `max_memory['cpu']`).
@@ -32,9 +37,12 @@ def parse_size(fn: str, arg: str, size: object, *, minimum: int = 0) -> int:
         match = _SIZE.fullmatch(size) if isinstance(size, str) else None
         unit = match[2].upper() if match else ""
         nbytes = int(float(match[1]) * _UNITS[unit]) if match and unit in _UNITS else -1
+        if match and len(match[2]) == 2 and match[2].endswith("b"):  # "Mb": megabits
+            nbytes //= 8
     if nbytes < minimum:
         raise ValueError(
             f"{fn}: {arg}={size!r} is not a size of at least {minimum} bytes; pass bytes as an "
-            "int or a string such as '5GB', '500MB' or '2GiB'."
+            "int or a string such as '5GB', '500MB' or '2GiB' (a lowercase b means bits: "
+            "'500Mb' is 62.5 MB)."
         )
     return nbytes

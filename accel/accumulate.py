@@ -20,7 +20,19 @@ __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
 
 def should_sync(step: int, every: int, *, is_last: bool = False) -> bool:
-    """Whether micro-step `step` (counted from 0) ends an accumulation window of `every`.
+    """Tell whether micro-step `step` (counted from 0) ends an accumulation window of `every`.
+
+    Args:
+        step: the micro-step, counted from 0, an int >= 0.
+        every: micro-steps per optimizer step (usually `ctx.grad_accum_steps`), an int >= 1.
+        is_last: this is the last micro-batch of the data, so the window ends early; default
+            False.
+
+    Returns:
+        True when gradients should be synchronised and the optimizer stepped after `step`.
+
+    Raises:
+        ValueError: for `every < 1` or `step < 0`.
 
     Example:
 
@@ -45,7 +57,21 @@ def accumulate(
     On micro-steps that do not end a window of `ctx.grad_accum_steps` (and are not the last batch
     of the data, `is_last`), gradients stay local: DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync(False)`. On the boundary they are all-reduced once; step the
-    optimizer when `sync` is True. Put both forward and backward inside the block.
+    optimizer when `sync` is True. Put both forward and backward inside the block. With
+    `world_size == 1`, or a model that is neither DDP nor FSDP2, nothing is skipped.
+
+    Args:
+        ctx: the run context; `ctx.grad_accum_steps` is the window length.
+        model: the model being trained, as `wrap_model` returned it (a `torch.compile`d one
+            too).
+        step: the micro-step, counted from 0, an int >= 0.
+        is_last: this is the last micro-batch of the data, so sync now; default False.
+
+    Yields:
+        `sync`: True when this micro-step ends a window and the optimizer should step.
+
+    Raises:
+        ValueError: for `step < 0`.
 
     Example:
 
@@ -93,28 +119,64 @@ def _labels(batch: Any) -> torch.Tensor:
     )
 
 
-def num_items_in_batch(ctx: RunContext, batches: Iterable[Any], *, ignore_index: int = -100) -> int:
-    """Count the labels that are not `ignore_index` in `batches`, summed over the dp ranks.
+def num_items_in_batch(
+    ctx: RunContext, batches: Iterable[Any], *, shift: bool, ignore_index: int = -100
+) -> int:
+    """Count the labels the loss will score in `batches`, summed over the data-parallel ranks.
 
     Pass the micro-batches of one optimizer step (label tensors, or dicts with "labels").
-    For a loss that is the mean over every token of the global batch under accumulation and
-    data parallelism, sum the per-token loss and scale it so DDP's average over ranks and
-    `scaled_backward`'s division by `grad_accum_steps` cancel::
+    `shift` says which labels the loss scores, and has no default because guessing it wrong
+    mis-scales the loss without an error:
 
-        n = num_items_in_batch(ctx, window)
+    - `shift=True`: a causal LM (GPT-2 and every transformers `*ForCausalLM`) predicts token
+      t + 1 from tokens up to t, so it scores `labels[..., 1:]`: the first label of every
+      sequence is never a target;
+    - `shift=False`: the labels are the targets as given (already shifted inputs/targets
+      pairs, classification, masked LM, seq2seq decoder labels).
+
+    Labels equal to `ignore_index` are not counted. For a loss that is the mean over every
+    scored token of the global batch under accumulation and data parallelism, sum the
+    per-token loss and scale it so DDP's average over ranks and `scaled_backward`'s division
+    by `grad_accum_steps` cancel::
+
+        n = num_items_in_batch(ctx, window, shift=True)
         scale = ctx.dp_size * ctx.grad_accum_steps / n
-        loss = F.cross_entropy(logits, y, reduction="sum") * scale
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                               reduction="sum") * scale
+
+    Args:
+        ctx: the run context; with `world_size > 1` the count is all-reduced. Call it on every
+            rank.
+        batches: this rank's micro-batches of one optimizer step: label tensors, or mappings
+            with a "labels" tensor.
+        shift: count `labels[..., 1:]` (causal LM) instead of every label.
+        ignore_index: the label value that is not counted; default -100, as in
+            `F.cross_entropy`.
+
+    Returns:
+        The global number of scored labels, over all batches and all ranks.
+
+    Raises:
+        TypeError: for a batch that is neither a tensor nor a mapping with a "labels" tensor.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            all-reduce fails.
 
     Example:
 
     >>> from accel import RunContext
-    >>> num_items_in_batch(RunContext.single(), [torch.tensor([1, -100, 3]), torch.tensor([5])])
+    >>> labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=True)
     3
+    >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=False)
+    5
     """
     ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same labels
     count = torch.zeros((), dtype=torch.int64)
     for batch in batches:
-        count += _labels(batch).ne(ignore_index).sum().cpu()
+        labels = _labels(batch)
+        if shift:
+            labels = labels[..., 1:]
+        count += labels.ne(ignore_index).sum().cpu()
     if ctx.world_size > 1:
         group = require_group(ctx, "num_items_in_batch")
         count = count.to(comm_device(ctx))

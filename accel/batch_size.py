@@ -61,6 +61,20 @@ def find_executable_batch_size(fn: Any = None, *, start: int) -> Any:
     on every rank, so ranks whose memory differs can settle on different sizes: when the batch size
     must agree across processes, take the minimum with `accel.reduce(ctx, ..., op="min")`.
 
+    Args:
+        fn: the function to run, taking the batch size as its first argument; None to get a
+            decorator.
+        start: the first batch size to try, an int >= 1.
+
+    Returns:
+        A function taking `fn`'s remaining arguments that returns what `fn` returns at the
+        first batch size that fits; with `fn=None`, a decorator that makes such a function.
+
+    Raises:
+        ValueError: for a `start` that is not a positive integer.
+        TypeError: for an `fn` that is not callable.
+        RuntimeError: from the returned function, when even batch size 1 runs out of memory.
+
     Example:
 
     >>> find_executable_batch_size(lambda b: b, start=8)()

@@ -90,15 +90,22 @@ def _exchange(
     leaves: Sequence[torch.Tensor],
     hint: str,
     group: Any,
+    *,
+    call: str | None = None,
 ) -> tuple[torch.Tensor | None, list[int]]:
-    """All-gather the hash of `description` and, if they fit, the bytes of `leaves`.
+    """All-gather the hash of `call` and `description` and, if they fit, the bytes of `leaves`.
+
+    `call` names the collective and the arguments every rank must agree on (`reduce(op='sum')`,
+    `broadcast(src=0)`); it defaults to `fn`. Ranks that disagree on it all raise too, instead of
+    running different collectives (a hang) or reducing with different ops (garbage).
 
     Returns every rank's row (uint8 [world_size, _round_bytes]) and the byte offset of each
     leaf in it, or None instead of the rows when the leaves did not fit (the caller moves
     them itself, knowing that every rank holds the same shapes). Raises on every rank when the
     descriptions differ.
     """
-    digest = hashlib.blake2b(description.encode(), digest_size=8).digest()
+    call = fn if call is None else call
+    digest = hashlib.blake2b(f"{call}|{description}".encode(), digest_size=8).digest()
     size = _round_bytes(ctx.world_size)
     offsets, end = _layout(leaves)
     inline = end <= size
@@ -117,8 +124,14 @@ def _exchange(
     if hashes.count(hashes[0]) != len(hashes):
         descriptions: list[Any] = [None] * ctx.world_size
         with named_collective(ctx, fn):
-            dist.all_gather_object(descriptions, description, group=group)
-        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+            dist.all_gather_object(descriptions, (call, description), group=group)
+        if len({c for c, _ in descriptions}) > 1:
+            listing = "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(descriptions))
+            raise ValueError(
+                f"{fn}: the ranks made different calls ({listing}); every rank must call the "
+                "same collective with the same op and src at the same point."
+            )
+        listing = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(descriptions))
         raise ValueError(
             f"{fn}: the ranks passed different inputs ({listing}); every rank must pass the "
             f"same structure, dtypes and shapes. {hint}"
@@ -143,19 +156,31 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
     """Concatenate every rank's tensors along dim 0, in rank order, on every rank.
 
     0-dim tensors are gathered into a 1-dim tensor of `world_size` values. On one process
-    the input is returned as it is.
+    the input is returned as it is. Call it on every rank.
+
+    Args:
+        ctx: the run context; gathers over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors; every rank passes the
+            same structure, dtypes and shapes (dim 0 too: pad with `pad_across_processes`).
+
+    Returns:
+        The same structure, each tensor replaced by the concatenation of every rank's along
+        dim 0 (rank 0's first).
+
+    Raises:
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        ValueError: when ranks pass different shapes or dtypes (on every rank).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> import torch
         >>> gather(RunContext(), {"x": torch.tensor([1.0, 2.0])})
         {'x': tensor([1., 2.])}
-
-    Raises:
-        ValueError: when ranks pass different shapes or dtypes (on every rank).
     """
+    leaves, treedef = tensor_leaves("gather", tree)  # checked at any world size
     if ctx.world_size == 1:
         return tree
-    leaves, treedef = tensor_leaves("gather", tree)
     hint = "To gather tensors whose dim 0 differs, call pad_across_processes(ctx, tree) first."
     return unflatten(treedef, gather_leaves(ctx, "gather", leaves, treedef, hint))
 
@@ -184,7 +209,23 @@ def gather_leaves(
 def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> TensorTree:
     """Reduce every tensor element-wise over the ranks with `op`; every rank gets the result.
 
-    The inputs are not modified. "mean" needs floating-point tensors.
+    The inputs are not modified. "mean" needs floating-point tensors. Call it on every rank.
+
+    Args:
+        ctx: the run context; reduces over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors, with the same structure,
+            dtypes and shapes on every rank.
+        op: "sum", "mean", "max" or "min"; default "mean".
+
+    Returns:
+        The same structure holding the reduced tensors (new tensors; on one process, `tree`
+        itself).
+
+    Raises:
+        ValueError: for an unknown `op`, or ranks that pass different shapes or dtypes.
+        TypeError: for a leaf that is not a tensor, or `op="mean"` on integer tensors.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> import torch
@@ -206,7 +247,15 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "reduce")
-    rows, offsets = _exchange(ctx, "reduce", _describe(leaves, treedef, None), leaves, "", group)
+    rows, offsets = _exchange(
+        ctx,
+        "reduce",
+        _describe(leaves, treedef, None),
+        leaves,
+        "",
+        group,
+        call=f"reduce(op={op!r})",
+    )
     if rows is not None:  # reduce the gathered copies locally, in rank order on every rank
         stacks = [_stacked(rows, offset, t) for t, offset in zip(leaves, offsets, strict=True)]
         return unflatten(treedef, [_reduce_local(x, op).to(x.dtype) for x in stacks])
@@ -224,17 +273,37 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
 def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
     """Return rank `src`'s tensors on every rank (each rank passes same-shaped tensors).
 
+    Call it on every rank; the tensors other ranks pass only give the shapes and dtypes.
+
+    Args:
+        ctx: the run context; broadcasts over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors, with the same structure,
+            dtypes and shapes on every rank.
+        src: the rank (of `ctx.process_group`) whose tensors are sent; default 0.
+
+    Returns:
+        The same structure holding rank `src`'s values (on one process, `tree` itself).
+
+    Raises:
+        ValueError: for a `src` outside `[0, world_size)`, or ranks that pass different
+            shapes or dtypes.
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> import torch
         >>> broadcast(RunContext(), torch.ones(2))
         tensor([1., 1.])
     """
     _check_src("broadcast", ctx, src)
+    leaves, treedef = tensor_leaves("broadcast", tree)
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "broadcast")
-    leaves, treedef = tensor_leaves("broadcast", tree)
-    rows, offsets = _exchange(ctx, "broadcast", _describe(leaves, treedef, None), leaves, "", group)
+    description = _describe(leaves, treedef, None)
+    call = f"broadcast(src={src})"
+    rows, offsets = _exchange(ctx, "broadcast", description, leaves, "", group, call=call)
     if rows is not None:
         out = [
             _stacked(rows[src : src + 1], offset, t)[0]
@@ -260,14 +329,31 @@ def pad_across_processes(
 ) -> TensorTree:
     """Pad each tensor along `dim` to the largest size any rank holds, so they can be gathered.
 
+    Only the size along `dim` may differ between ranks. Call it on every rank.
+
+    Args:
+        ctx: the run context; sizes are compared over `ctx.process_group`.
+        tree: a tensor, or nested tuples, lists and dicts of tensors.
+        dim: the tensor dimension to pad; default 0 (negative counts from the end).
+        pad_index: the value the padding is filled with; default 0.
+        pad_first: put the padding before the data instead of after it; default False.
+
+    Returns:
+        The same structure with each tensor padded (a new tensor) or, when it already has the
+        largest size, unchanged; on one process, `tree` itself.
+
+    Raises:
+        ValueError: with `world_size > 1`, for a `dim` out of range, or ranks whose shapes
+            differ elsewhere than along `dim`.
+        TypeError: for a leaf that is not a tensor (with `world_size > 1`).
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> import torch
         >>> pad_across_processes(RunContext(), torch.tensor([1, 2]))
         tensor([1, 2])
     """
-    if ctx.world_size == 1:
-        return tree
-    group = require_group(ctx, "pad_across_processes")
     leaves, treedef = tensor_leaves("pad_across_processes", tree)
     for t in leaves:
         if not -t.dim() <= dim < t.dim():
@@ -275,10 +361,14 @@ def pad_across_processes(
                 f"pad_across_processes: dim={dim} is out of range for a tensor of shape "
                 f"{list(t.shape)}; pass a dim in [{-t.dim()}, {t.dim()})."
             )
+    if ctx.world_size == 1:
+        return tree
+    group = require_group(ctx, "pad_across_processes")
     sizes = torch.tensor([t.shape[dim] for t in leaves], dtype=torch.int64)
+    axis = dim % leaves[0].dim() if leaves else dim  # -1 and 1 name one dim of a 2-D tensor
     rows, offsets = _exchange(
         ctx, "pad_across_processes", _describe(leaves, treedef, dim), [sizes],
-        "Only the size along `dim` may differ.", group,
+        "Only the size along `dim` may differ.", group, call=f"pad_across_processes(dim={axis})",
     )  # fmt: skip
     if rows is not None:
         everyone = _stacked(rows, offsets[0], sizes)
@@ -317,6 +407,19 @@ def _pad(t: torch.Tensor, dim: int, size: int, value: int | float, first: bool) 
 def gather_object(ctx: RunContext, obj: T) -> list[T]:
     """Return a list of every rank's `obj`, in rank order (pickled; use `gather` for tensors).
 
+    Call it on every rank.
+
+    Args:
+        ctx: the run context; gathers over `ctx.process_group`.
+        obj: any picklable object.
+
+    Returns:
+        A list of `world_size` objects, rank 0's first; `[obj]` on one process.
+
+    Raises:
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> gather_object(RunContext(), {"loss": 0.5})
         [{'loss': 0.5}]
@@ -330,8 +433,42 @@ def gather_object(ctx: RunContext, obj: T) -> list[T]:
     return out
 
 
+def gather_parts(ctx: RunContext, part: Any, device: torch.device | None) -> Any:
+    """Every rank's `part` concatenated in rank order, through one object exchange.
+
+    A part is a list of Python objects, or `(treedef, leaves)` of tensors concatenated along
+    dim 0 (moved through the CPU, returned on `device`), or None for a rank with nothing to
+    give. For the rounds of gather_for_metrics that some ranks have no batch in.
+    """
+    if isinstance(part, tuple):
+        part = (part[0], [leaf.cpu() for leaf in part[1]])
+    parts = [p for p in gather_object(ctx, part) if p is not None]
+    if not parts:
+        return []
+    if isinstance(parts[0], list):
+        return [item for p in parts for item in p]
+    to = device if device is not None else torch.device("cpu")
+    leaves = [torch.cat([p[1][i] for p in parts]).to(to) for i in range(len(parts[0][1]))]
+    return unflatten(parts[0][0], leaves)
+
+
 def broadcast_object(ctx: RunContext, obj: T, *, src: int = 0) -> T:
     """Return rank `src`'s `obj` on every rank (pickled; other ranks may pass None).
+
+    Call it on every rank.
+
+    Args:
+        ctx: the run context; broadcasts over `ctx.process_group`.
+        obj: on rank `src`, any picklable object; ignored elsewhere.
+        src: the rank (of `ctx.process_group`) whose object is sent; default 0.
+
+    Returns:
+        Rank `src`'s object (`obj` itself on one process).
+
+    Raises:
+        ValueError: for a `src` outside `[0, world_size)`.
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> broadcast_object(RunContext(), [1, 2])

@@ -21,6 +21,7 @@ reads them once and records each value's source in `RunContext.sources`:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -129,8 +130,13 @@ def _distributed_type(key: str, value: Any) -> str:
 
 
 def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"config: {key}={value!r} must be a number > 0.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"config: {key}={value!r} must be a finite number > 0, e.g. 0.1.")
     return float(value)
 
 
@@ -145,6 +151,17 @@ def _section(key: str, value: Any) -> Section:
     if not isinstance(value, Mapping):
         raise ValueError(f"config: {key}={value!r} must be a mapping of keys to values.")
     return tuple(sorted(value.items()))
+
+
+def _port(key: str, value: Any) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
+    ):
+        raise ValueError(
+            f"config: {key}={value!r} is not a TCP port; expected an integer in [0, 65535] "
+            "(0 picks a free port on a single machine)."
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,7 +216,7 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "num_machines": _int(1),
         "machine_rank": _int(0),
         "main_process_ip": _str,
-        "main_process_port": _optional_int(0),
+        "main_process_port": _port,
         "rdzv_backend": lambda k, v: _choice(k, v, ("static", "c10d")),
         "mixed_precision": parse_precision,
         "gradient_accumulation_steps": _int(1),
@@ -264,7 +281,10 @@ def default_config_path() -> Path:
     """Return where `accel config` writes and `accel launch` looks for the config file.
 
     That is `$ACCEL_CONFIG_FILE` if set, else `$XDG_CONFIG_HOME/accel/default_config.yaml`
-    (`~/.config/accel/default_config.yaml` by default).
+    (`~/.config/accel/default_config.yaml` by default). The file need not exist.
+
+    Returns:
+        The path of the default config file.
 
     Example:
         >>> default_config_path().name
@@ -305,6 +325,22 @@ def accelerate_config_path() -> Path:
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config file (accel's or Accelerate's).
 
+    Accelerate's spellings are mapped to accel's (`mixed_precision: 'no'` becomes "fp32"), and
+    Accelerate's keys that accel has no use for are ignored. An empty file is the defaults.
+
+    Args:
+        path: the YAML file to read, for example `default_config_path()`.
+
+    Returns:
+        The validated `Config`.
+
+    Raises:
+        FileNotFoundError: when `path` does not exist.
+        ValueError: for invalid YAML, a file that is not a mapping, an unknown key, or a bad
+            value (naming the key).
+        NotImplementedError: for an Accelerate `distributed_type` accel does not support
+            (DeepSpeed, TPU, ...).
+
     Example:
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "c.yaml"
@@ -313,6 +349,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         'fp32'
     """
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(
+            f"load_config: path={str(file)!r} is a folder, not a YAML file; pass the config "
+            f"file itself, e.g. --config_file {file / 'default_config.yaml'}."
+        )
     try:
         text = file.read_text()
     except FileNotFoundError:

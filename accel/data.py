@@ -19,13 +19,11 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
-from accel._shard_plan import ShardBatch, ShardPlan
-from accel._tree import send_to_device, tensor_leaves, unflatten
-from accel.collectives import _pad, gather_leaves
+from accel._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_indices
+from accel._tree import flatten, send_to_device, unflatten
+from accel.collectives import _pad, gather_leaves, gather_parts
 from accel.context import RunContext, along
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
@@ -34,44 +32,15 @@ __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "sh
 Layout = tuple[tuple[int, int], ...]
 
 
-def _epoch_generator(*parts: int) -> torch.Generator:
-    """A generator seeded from `parts` (seed, epoch, ...), the same on every call."""
-    value = 0
-    for part in parts:
-        value = value * 1_000_003 + part
-    # Folded into 64 bits: manual_seed refuses larger integers, which large seeds would reach.
-    return torch.Generator().manual_seed(value % 2**64)
-
-
-def _sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
-    """The sampler's indices for `epoch`, identical on every rank."""
-    if type(sampler) is RandomSampler:
-        # Same permutation on every rank from (seed, epoch): no RNG state to broadcast.
-        n = len(sampler.data_source)
-        if not sampler.replacement and sampler.num_samples == n:
-            # What RandomSampler yields with this generator, without its per-element generator.
-            return torch.randperm(n, generator=_epoch_generator(seed, epoch)).tolist()
-        seeded = RandomSampler(
-            sampler.data_source,
-            replacement=sampler.replacement,
-            num_samples=sampler._num_samples,
-            generator=_epoch_generator(seed, epoch),
-        )
-        return list(seeded)
-    if type(sampler) is SequentialSampler:
-        return list(range(len(sampler.data_source)))
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    return [int(i) for i in sampler]
-
-
 class ShardedLoader:
     """This rank's part of a DataLoader; iterate it like the DataLoader.
 
     It is training state, like an optimizer: it knows its epoch and how many batches it has
-    yielded in it. `set_epoch(e)` chooses the epoch (the order is a function of seed and epoch);
-    after a complete pass the epoch advances by itself. `padding` is how many samples of the
-    batch just yielded repeat earlier ones (0 except in the last round with even_batches).
+    yielded in it. Every `iter()` starts a full pass of the current epoch, as a DataLoader's
+    does; only the first one after `load_state_dict` resumes mid-epoch. `set_epoch(e)` chooses
+    the epoch (the order is a function of seed and epoch); once a pass has yielded its last
+    batch the epoch advances by itself. `padding` is how many samples of the batch just yielded
+    repeat earlier ones (0 except in the last round with even_batches on several processes).
     """
 
     def __init__(
@@ -94,7 +63,10 @@ class ShardedLoader:
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch = 0
         self.position = 0  # batches yielded in this epoch
-        self._last_index = -1  # map-style: index of the last yielded batch in the epoch's plan
+        self._resume = False  # load_state_dict: the next iter() continues from `position`
+        self._pass_over = False  # the last pass ran out: this rank has no current batch
+        # map-style: the epoch's plan for every rank and the index of the last yielded batch
+        self._yielded: tuple[list[list[ShardBatch]], int] | None = None
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
 
@@ -104,9 +76,9 @@ class ShardedLoader:
         loader = self.loader
         batch_sampler = loader.batch_sampler
         if batch_sampler is None:  # batch_size=None: every sample is its own "batch"
-            return [[i] for i in _sampler_indices(loader.sampler, epoch, self._seed)]
+            return [[i] for i in sampler_indices(loader.sampler, epoch, self._seed)]
         if type(batch_sampler) is BatchSampler:
-            indices = _sampler_indices(batch_sampler.sampler, epoch, self._seed)
+            indices = sampler_indices(batch_sampler.sampler, epoch, self._seed)
             size = batch_sampler.batch_size
             batches = [indices[i : i + size] for i in range(0, len(indices), size)]
             if batch_sampler.drop_last and batches and len(batches[-1]) < size:
@@ -126,11 +98,15 @@ class ShardedLoader:
     # -- iteration ---------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` from its first batch at the next iteration."""
+        """Start epoch `epoch` from its first batch at the next iteration.
+
+        Setting the epoch the loader is already in changes nothing, so a resumed run's usual
+        `loader.set_epoch(epoch)` at the top of its loop keeps the loaded position.
+        """
         if epoch < 0:
             raise ValueError(f"set_epoch: epoch={epoch} must be >= 0.")
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self._resume = epoch, 0, False
 
     def __len__(self) -> int:
         if self._iterable:
@@ -140,13 +116,30 @@ class ShardedLoader:
         return len(self._all_ranks(self.epoch)[self.plan.rank])
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._iterate_iterable() if self._iterable else self._iterate_map()
+        # Not a generator function: the pass starts (and the position resets) at iter() itself.
+        if not self._resume:
+            self.position = 0
+        self._resume, self._pass_over = False, False
+        return self._run_pass(self.epoch)
+
+    def _run_pass(self, epoch: int) -> Iterator[Any]:
+        if self._iterable:
+            batches, total = self._iterate_iterable(), -1
+        else:
+            batches, total = self._iterate_map(), len(self._all_ranks(epoch)[self.plan.rank])
+        ended = False
         for batch in batches:
             self.position += 1
             if self._device is not None:
                 batch = send_to_device(batch, self._device, non_blocking=self._non_blocking)
+            if self.position == total:
+                # The last batch: the pass is complete even if nobody asks for the next one
+                # (Accelerate's recipe takes exactly len(loader) batches with next()).
+                self.epoch, self.position, ended = epoch + 1, 0, True
             yield batch
-        self.epoch, self.position = self.epoch + 1, 0
+        if not ended:
+            self.epoch, self.position = epoch + 1, 0
+        self._pass_over = True
 
     def _iterate_map(self) -> Iterator[Any]:
         table = self._all_ranks(self.epoch)
@@ -162,7 +155,7 @@ class ShardedLoader:
         # also gives workers the same seeds after a resume.
         generator = loader.generator
         if generator is None:
-            generator = _epoch_generator(self._seed, self.epoch, self.plan.rank)
+            generator = epoch_generator(self._seed, self.epoch, self.plan.rank)
         common: dict[str, Any] = dict(
             generator=generator,
             num_workers=loader.num_workers,
@@ -186,7 +179,7 @@ class ShardedLoader:
                 loader.dataset, batch_sampler=[list(b.indices) for b in mine[start:]], **common
             )
         for i, batch in enumerate(inner, start):
-            self._last_index = i  # the layout is worked out only when someone asks for it
+            self._yielded = (table, i)  # the layout is worked out only when someone asks for it
             yield batch
 
     def _chunk_size(self) -> int:
@@ -225,7 +218,7 @@ class ShardedLoader:
         if chunk and not self.plan.drop_last:
             num_real = len(chunk)
             cycle = first if first is not None else list(chunk)
-            while len(chunk) < per_chunk:
+            while n > 1 and len(chunk) < per_chunk:  # one process: the short batch as it is
                 chunk += cycle
             if index >= self.position:
                 yield emit(chunk[:per_chunk], num_real)
@@ -235,9 +228,9 @@ class ShardedLoader:
         """(size, padding) on every rank of the batch index this loader yielded last."""
         if self._iterable:
             return self._chunk_layout
-        if self._last_index < 0 or self._table is None:
+        if self._yielded is None:
             return ()
-        i, table = self._last_index, self._table[1]
+        table, i = self._yielded
         return tuple((len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table)
 
     @property
@@ -277,6 +270,7 @@ class ShardedLoader:
                 )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._seed = int(state.get("seed", self._seed))
+        self._resume = True
 
 
 def shard_loader(
@@ -289,7 +283,7 @@ def shard_loader(
     non_blocking: bool = False,
     seed: int | None = None,
 ) -> ShardedLoader:
-    """This rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
+    """Return this rank's part of `loader`, as Accelerate's `prepare_data_loader` lays it out.
 
     Batch k of `loader` goes to rank k mod world_size (with `split_batches`, every batch is cut in
     world_size slices instead). With `even_batches` the last round is completed with samples from
@@ -299,6 +293,29 @@ def shard_loader(
     `device_placement=False`. Map-style datasets keep the loader's workers and pin_memory;
     iterable datasets are read in the main process by every rank, each keeping its slice.
 
+    Args:
+        ctx: the run context; its rank and world size pick the batches, and `ctx.device` is
+            where they go.
+        loader: a torch `DataLoader`; an iterable dataset needs a `batch_size`.
+        even_batches: complete the last round with samples from the start of the epoch, so
+            every rank takes the same number of steps; default True.
+        split_batches: cut each batch of `loader` into `world_size` slices instead of giving
+            whole batches to ranks in turn; the batch size must divide evenly. Default False.
+        device_placement: move each batch's tensors to `ctx.device`; default True.
+        non_blocking: move them with `non_blocking=True` (useful with pinned memory); default
+            False.
+        seed: the shuffling seed shared by every rank; default `ctx.seed`, else 0.
+
+    Returns:
+        A `ShardedLoader` yielding this rank's batches. Each full pass advances its epoch (a
+        new shuffle; `set_epoch` sets it), and `save_state` saves its position to resume
+        mid-epoch.
+
+    Raises:
+        TypeError: for a `loader` that is not a torch `DataLoader`.
+        ValueError: for an iterable dataset without a batch size, or `split_batches` with a
+            batch size that is missing or not divisible by `world_size`.
+
     Example:
 
     >>> from torch.utils.data import DataLoader
@@ -306,6 +323,8 @@ def shard_loader(
     >>> [b.tolist() for b in shard_loader(ctx, DataLoader(list(range(7)), batch_size=2))]
     [[2, 3], [6, 0]]
     """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"shard_loader: seed={seed!r} must be an int (or None); e.g. seed=42.")
     if not isinstance(loader, DataLoader):
         raise TypeError(
             f"shard_loader: loader={type(loader).__name__} is not a torch DataLoader; wrap the "
@@ -321,7 +340,9 @@ def shard_loader(
         batch_size=loader.batch_size,
         split_batches=split_batches,
         even_batches=even_batches,
-        drop_last=loader.drop_last,
+        # A batch sampler of its own says whether to drop the incomplete round, as Accelerate
+        # reads it (the DataLoader's drop_last is False whenever batch_sampler= is given).
+        drop_last=loader.drop_last or bool(getattr(loader.batch_sampler, "drop_last", False)),
     )
     if seed is None:
         seed = ctx.seed if ctx.seed is not None else 0
@@ -338,11 +359,33 @@ def shard_loader(
 def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> Any:
     """Gather per-sample results of the batch `loader` just yielded; every sample counted once.
 
-    Each leaf must have the batch on dim 0. Ranks' results are concatenated in rank order and
-    the repeats `shard_loader` added to even out the last round are dropped; with
+    `tree` is either a nest of tensors with the batch on dim 0 of each leaf, or a list of Python
+    objects with one item per sample (decoded text). Ranks' results are concatenated in rank
+    order and the repeats `shard_loader` added to even out the last round are dropped; with
     `even_batches=False`, uneven last batches are padded for the collective and trimmed after.
     Call it on every rank for every batch (also if the loop breaks early: it uses the layout of
-    the batch most recently yielded).
+    the batch most recently yielded). With `even_batches=False` a rank can run out of batches
+    before the others; once its pass has ended it calls `gather_for_metrics(ctx, [],
+    loader=loader)` for each round it lacks, and contributes nothing (docs/data.md shows the
+    loop).
+
+    Args:
+        ctx: the run context the loader was made with.
+        tree: this rank's per-sample results for the batch: a tensor, or nested tuples, lists
+            and dicts of tensors, each with the batch on dim 0; or a list of Python objects
+            with one item per sample; `[]` from a rank whose pass has ended.
+        loader: the `ShardedLoader` (from `shard_loader`) that yielded the batch.
+
+    Returns:
+        Every rank's real samples in rank order, without the repeats: the structure of `tree`
+        for tensors, a flat list for Python objects (on one process, this rank's samples).
+
+    Raises:
+        TypeError: for a `loader` that is not a `ShardedLoader`, or a tree mixing tensors and
+            other objects.
+        ValueError: for a leaf whose dim 0, or a list whose length, is not this rank's batch
+            size, or results passed by a rank whose pass has ended.
+        RuntimeError: before the loader has yielded a batch, or when the collective fails.
 
     Example:
 
@@ -351,40 +394,58 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     >>> loader = shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))
     >>> [gather_for_metrics(ctx, b * 10, loader=loader).tolist() for b in loader]
     [[0, 10], [20, 30], [40]]
+    >>> [gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=loader) for b in loader]
+    [['s0', 's1'], ['s2', 's3'], ['s4']]
     """
+    fn = "gather_for_metrics"
     if not isinstance(loader, ShardedLoader):
         raise TypeError(
-            f"gather_for_metrics: loader={type(loader).__name__} is not a ShardedLoader; pass "
+            f"{fn}: loader={type(loader).__name__} is not a ShardedLoader; pass "
             "the loader returned by shard_loader, which knows which samples are repeats."
         )
-    if not loader._layout:
+    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
+    if loader._pass_over:  # past this rank's last batch: others are in a round it has no part in
+        return _join_without_batch(ctx, tree, loader)
+    layout = loader._layout
+    if not layout:
         raise RuntimeError(
-            "gather_for_metrics: the loader has not yielded a batch yet; call it inside the "
+            f"{fn}: the loader has not yielded a batch yet; call it inside the "
             "loop over the loader, after each batch."
         )
-    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
-    leaves, treedef = tensor_leaves("gather_for_metrics", tree)
-    layout = loader._layout
-    mine = layout[ctx.rank][0]
+    mine, pad = layout[loader.plan.rank]  # the plan holds this rank's data-parallel place
+    leaves, treedef = flatten(tree)
+    if isinstance(tree, list) and not all(isinstance(x, torch.Tensor) for x in leaves):
+        if len(tree) != mine:  # a list of Python objects, one per sample (decoded text)
+            raise ValueError(
+                f"{fn}: the list of objects has {len(tree)} items but the batch has {mine} "
+                "samples; pass one item per sample of the batch (e.g. one decoded string each)."
+            )
+        real = list(tree[: mine - pad])
+        return real if loader.plan.world_size == 1 else gather_parts(ctx, real, None)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(
+            f"{fn}: tree={type(tree).__name__} mixes tensors and other objects; pass a nest of "
+            "tensors (batch on dim 0), or a list with one Python object per sample, e.g. "
+            "list(zip(predictions, references)) for pairs of decoded strings."
+        )
     for leaf in leaves:
         if leaf.ndim == 0 or leaf.shape[0] != mine:
             raise ValueError(
-                f"gather_for_metrics: a leaf of shape {tuple(leaf.shape)} has no per-sample "
+                f"{fn}: a leaf of shape {tuple(leaf.shape)} has no per-sample "
                 f"dim 0 of the batch size {mine}. Per-batch values (a mean loss) are not "
                 "per-sample results: use accel.reduce(ctx, value, op='mean') for those."
             )
-    if ctx.world_size == 1:
-        real = mine - layout[0][1]
-        return unflatten(treedef, [leaf[:real] for leaf in leaves])
-    if any(size == 0 for size, _ in layout):
-        empty = [r for r, (size, _) in enumerate(layout) if size == 0]
-        raise RuntimeError(
-            f"gather_for_metrics: ranks {empty} have no batch in this round (even_batches=False "
-            "with fewer batches than ranks); they cannot join the collective. Use "
-            "even_batches=True, or gather after the loop with accel.gather_object."
-        )
-    # Pad every rank's batch to the longest (even_batches=False), gather the whole tree in
-    # one checked exchange, then keep each rank's real samples.
+    if loader.plan.world_size == 1:
+        return unflatten(treedef, [leaf[: mine - pad] for leaf in leaves])
+    if any(size == 0 for size, _ in layout):  # ranks past their last batch join with nothing
+        real_leaves = [leaf[: mine - pad] for leaf in leaves]
+        return gather_parts(ctx, (treedef, real_leaves), leaves[0].device if leaves else None)
+    return _gather_padded(ctx, leaves, treedef, layout)
+
+
+def _gather_padded(ctx: RunContext, leaves: list[Any], treedef: Any, layout: Layout) -> Any:
+    """Pad every rank's batch to the longest (even_batches=False), gather the whole tree in one
+    checked exchange, then keep each rank's real samples."""
     longest = max(size for size, _ in layout)
     padded = [_pad(leaf, 0, longest, 0, False) for leaf in leaves]
     hint = (
@@ -400,3 +461,17 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
         for g in everyone
     ]
     return unflatten(treedef, out)
+
+
+def _join_without_batch(ctx: RunContext, tree: Any, loader: ShardedLoader) -> Any:
+    """Take part in a round this rank has no batch in: contribute nothing, get the others'."""
+    leaves = flatten(tree)[0]
+    passed = [x for x in leaves if not (isinstance(x, torch.Tensor) and x.ndim and not len(x))]
+    out = gather_parts(ctx, None, loader._device) if loader.plan.world_size > 1 else []
+    if passed:  # after the collective, so the other ranks are not left waiting
+        raise ValueError(
+            "gather_for_metrics: this rank's loop over the loader has ended, so it has no batch "
+            "in this round, but it passed results; a rank past its last batch contributes "
+            "nothing: call gather_for_metrics(ctx, [], loader=loader)."
+        )
+    return out

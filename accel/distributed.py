@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -49,12 +50,26 @@ def _as_timeout(value: float | timedelta | None) -> timedelta:
     if value is None:
         return _DEFAULT_TIMEOUT
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
         raise ValueError(
             f"init_distributed: timeout={value!r} must be a positive number of seconds or a "
             "datetime.timedelta, e.g. timeout=600."
         )
     return timedelta(seconds=seconds)
+
+
+def _check_seed(seed: object) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"init_distributed: seed={seed!r} must be an int (or None); e.g. seed=42.")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"init_distributed: seed={seed!r} must be in [0, 2**63); e.g. seed=42.")
 
 
 def _resolve(
@@ -95,18 +110,29 @@ def init_distributed(
     which override the config file; `ctx.describe()` shows which won.
 
     Args:
-        precision: "fp32", "bf16" or "fp16" autocast.
-        grad_accum_steps: micro-batches per optimizer step.
+        precision: "fp32", "bf16" or "fp16" autocast; None takes the launcher's or config's,
+            else "fp32".
+        grad_accum_steps: micro-batches per optimizer step; None takes the launcher's or
+            config's, else 1.
         parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the
-            `DeviceMesh` is built when the world is split. Default: every rank a replica.
+            `DeviceMesh` is built when the world is split. None takes the launcher's or
+            config's, else every rank is a replica.
         backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise.
         device: the device to use; by default this local rank's GPU, else mps, else cpu.
-        timeout: seconds (or a timedelta) a collective may wait before it fails.
+        timeout: seconds (or a timedelta) a collective may wait before it fails; default 30
+            minutes.
         seed: base seed recorded in the context (seed the RNGs with `accel.set_seed`).
-        config: a YAML config file (accel's or Accelerate's) or a `Config`.
+        config: a YAML config file (accel's or Accelerate's) or a `Config`; default None,
+            the file named by `$ACCEL_CONFIG_FILE` if set, else none.
 
     Returns:
         The context to pass to every other accel call. Call `shutdown(ctx)` at the end.
+
+    Raises:
+        ValueError: for a bad `timeout`, a bad setting (argument, variable or config file),
+            or a config file that does not parse.
+        FileNotFoundError: for a config file that does not exist.
+        RuntimeError: when a default process group already exists with another world size.
 
     Example:
         >>> ctx = init_distributed(device="cpu")  # a plain python process
@@ -114,6 +140,7 @@ def init_distributed(
         (1, True)
     """
     wait = _as_timeout(timeout)
+    _check_seed(seed)
     launch = parse_launch_env(os.environ)
     if parallelism is not None and not isinstance(parallelism, Parallelism):
         raise TypeError(
@@ -222,7 +249,11 @@ def shutdown(ctx: RunContext) -> None:
     """Destroy the context's process group: the default group unless it names a sub-group.
 
     A no-op for a one-process context without a group (`init_distributed` in a plain `python`
-    process); a one-rank group (`run_world(fn, world_size=1)`) is destroyed too.
+    process), and when torch has no group initialised any more; a one-rank group
+    (`run_world(fn, world_size=1)`) is destroyed too. Call it on every rank at the end of a run.
+
+    Args:
+        ctx: the context `init_distributed` returned (or one naming a sub-group to destroy).
 
     Example:
         >>> shutdown(init_distributed(device="cpu"))
@@ -235,6 +266,15 @@ def shutdown(ctx: RunContext) -> None:
 def wait_for_everyone(ctx: RunContext) -> None:
     """Block until every rank of the context reaches this call (a barrier).
 
+    Returns at once on one process.
+
+    Args:
+        ctx: the run context; waits for the ranks of `ctx.process_group`.
+
+    Raises:
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
+
     Example:
         >>> wait_for_everyone(RunContext())
     """
@@ -244,6 +284,19 @@ def wait_for_everyone(ctx: RunContext) -> None:
 @contextlib.contextmanager
 def main_process_first(ctx: RunContext) -> Iterator[None]:
     """Run the body on rank 0 first, then on the other ranks (e.g. download, then read cache).
+
+    The other ranks wait at a barrier until rank 0 leaves the block, also when rank 0's body
+    raises. Enter it on every rank.
+
+    Args:
+        ctx: the run context; `ctx.is_main` goes first.
+
+    Yields:
+        None; put the work inside the block.
+
+    Raises:
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> with main_process_first(RunContext()):
@@ -262,6 +315,15 @@ def main_process_first(ctx: RunContext) -> Iterator[None]:
 
 def on_main_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Decorate a function so it runs on rank 0 only; elsewhere it returns None.
+
+    Nothing is synchronised: other ranks go on at once.
+
+    Args:
+        ctx: the run context; the function runs where `ctx.is_main`.
+
+    Returns:
+        A decorator; the function it returns calls the decorated one on the main process and
+        returns its result there, and returns None on other ranks without calling it.
 
     Example:
         >>> @on_main_process(RunContext())
@@ -284,6 +346,16 @@ def on_main_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R
 def run_on_main(ctx: RunContext, fn: Callable[..., R], *args: Any) -> R | None:
     """Call `fn(*args)` on rank 0 and return its result there; other ranks get None.
 
+    Nothing is synchronised: other ranks go on at once.
+
+    Args:
+        ctx: the run context; `fn` runs where `ctx.is_main`.
+        fn: the function to call.
+        *args: the positional arguments to call it with.
+
+    Returns:
+        What `fn` returned, on the main process; None on other ranks.
+
     Example:
         >>> run_on_main(RunContext(), max, 1, 2)
         2
@@ -293,6 +365,19 @@ def run_on_main(ctx: RunContext, fn: Callable[..., R], *args: Any) -> R | None:
 
 def any_rank(ctx: RunContext, flag: bool) -> bool:
     """Return True on every rank if `flag` is true on any rank (e.g. to stop early together).
+
+    Call it on every rank.
+
+    Args:
+        ctx: the run context; the flags are combined over `ctx.process_group`.
+        flag: this rank's flag.
+
+    Returns:
+        True when any rank passed a true `flag`, the same on every rank.
+
+    Raises:
+        RuntimeError: when `world_size > 1` and no process group is initialised, or the
+            collective fails or times out (another rank did not make the same call).
 
     Example:
         >>> any_rank(RunContext(), False)
@@ -314,7 +399,23 @@ def split_between_processes(ctx: RunContext, items: T, *, pad: bool = False) -> 
     Accelerate. With `pad=True` the shorter shares repeat their last element so every rank gets
     the same length (drop the padding after gathering). Nothing needs undoing afterwards, so
     Accelerate's `with accelerator.split_between_processes(x) as part:` becomes
-    `part = split_between_processes(ctx, x)`.
+    `part = split_between_processes(ctx, x)`. No communication happens: each rank slices its
+    own copy, so every rank must pass the same items.
+
+    Args:
+        ctx: the run context; its rank and world size pick the share.
+        items: a list, tuple or tensor (split along dim 0), or a dict of them, all of one
+            length.
+        pad: repeat the last element of a shorter share so every rank gets the same length;
+            default False.
+
+    Returns:
+        This rank's share, of the same type as `items` (a dict holds each value's share).
+
+    Raises:
+        ValueError: for a dict whose values have different lengths.
+        TypeError: for items that are not a list, tuple, tensor or dict of them (a string
+            too).
 
     Example:
         >>> ctx = RunContext(rank=1, world_size=2)

@@ -59,6 +59,14 @@ def get_logger(name: str, ctx: RunContext) -> RankLogger:
 
     accel adds no handlers; configure output with `logging.basicConfig` as usual.
 
+    Args:
+        name: the name of the standard logger to wrap, as for `logging.getLogger`.
+        ctx: the run context; its rank decides which records are kept.
+
+    Returns:
+        A `RankLogger`: each logging call takes `main_process_only` (default True), and with
+        `world_size > 1` messages start with `[rank r]`.
+
     Example:
         >>> log = get_logger("train", RunContext(rank=1, world_size=2))
         >>> log.info("only rank 0 prints this")

@@ -39,6 +39,16 @@ _DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
     """Autocast to `ctx.precision` on `ctx.device`; a no-op context in fp32.
 
+    Put the forward pass and the loss inside; call `scaled_backward` outside it.
+
+    Args:
+        ctx: the run context; `ctx.precision` ("bf16" or "fp16" autocast, "fp32" none) and
+            `ctx.device.type` pick the autocast.
+
+    Returns:
+        A context manager: `torch.autocast(device_type, dtype)` for bf16 and fp16, a
+        `contextlib.nullcontext()` for fp32.
+
     Example:
 
     >>> from accel import RunContext
@@ -54,12 +64,20 @@ def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
 
 
 def make_scaler(ctx: RunContext) -> GradScaler | None:
-    """A `torch.amp.GradScaler` for fp16 (CUDA or CPU), None for fp32 and bf16.
+    """Make a `torch.amp.GradScaler` for fp16 (CUDA or CPU); None for fp32 and bf16.
 
     Works under DDP, FSDP2 and tensor parallelism: `optimizer_step` and `clip_grad_norm_`
     make the ranks agree on whether any gradient shard holds inf or nan, so all skip together.
 
     The scaler is training state: you hold it, and `save_state` checkpoints it.
+
+    Args:
+        ctx: the run context; `ctx.precision` decides, `ctx.device.type` is the scaler's
+            device.
+
+    Returns:
+        A new `GradScaler` with torch's defaults when `ctx.precision == "fp16"`, else None.
+        Pass it to `scaled_backward`, `optimizer_step` and the clipping functions.
 
     Example:
 
@@ -79,7 +97,16 @@ def make_scaler(ctx: RunContext) -> GradScaler | None:
 def scaled_backward(
     ctx: RunContext, loss: torch.Tensor, *, scaler: GradScaler | None = None
 ) -> None:
-    """`loss.backward()` with the loss divided by `ctx.grad_accum_steps` and scaled for fp16.
+    """Run `loss.backward()` on the loss divided by `ctx.grad_accum_steps` (and fp16-scaled).
+
+    Dividing by the accumulation steps makes the gradients summed over a window the mean over
+    its micro-batches. `loss` itself is not modified.
+
+    Args:
+        ctx: the run context; `ctx.grad_accum_steps` is the divisor.
+        loss: a scalar loss tensor that requires grad.
+        scaler: the scaler from `make_scaler` in fp16, which multiplies the loss by its scale;
+            default None, no scaling.
 
     Example:
 
@@ -178,6 +205,20 @@ def optimizer_step(
     state stay as they were, the scale is lowered, and this returns False. Call `zero_grad()`
     and `scheduler.step()` yourself as usual.
 
+    Args:
+        ctx: the run context.
+        optimizer: the optimizer to step, created from the wrapped model's parameters.
+        scaler: the scaler from `make_scaler` in fp16; default None, a plain
+            `optimizer.step()`.
+
+    Returns:
+        True when the optimizer stepped; False when the scaler skipped the step for inf or nan
+        gradients.
+
+    Raises:
+        ValueError: when the optimizer holds parameters FSDP2 wrapping replaced (see
+            `check_optimizer`).
+
     Example:
 
     >>> from accel import RunContext
@@ -220,6 +261,22 @@ def clip_grad_norm_(
     averaged; under FSDP2, tensor parallelism and their mixes (parameters on several meshes)
     the norm is computed over all shards, so every rank gets the global norm. Call it on sync
     steps only (inside `accumulate`, when `sync` is True).
+
+    Args:
+        ctx: the run context; with no gradients at all, the zero norm is put on `ctx.device`.
+        model: a model, or an iterable of parameters; those without a gradient are skipped.
+        max_norm: the largest total norm the gradients keep.
+        norm_type: the p of the p-norm; default 2.0 (`float("inf")` for the max norm).
+        optimizer: the optimizer whose gradients are unscaled first; needed with `scaler`.
+        scaler: the fp16 scaler; default None, gradients are not unscaled.
+
+    Returns:
+        The total norm of the gradients before clipping, a 0-dim tensor (the global norm
+        under FSDP2; 0 when no parameter has a gradient).
+
+    Raises:
+        ValueError: for a `scaler` without `optimizer`, or an optimizer holding parameters
+            FSDP2 wrapping replaced.
 
     Example:
 
@@ -273,6 +330,19 @@ def clip_grad_value_(
     scaler: GradScaler | None = None,
 ) -> None:
     """Clamp every gradient of `model` to [-clip_value, clip_value] (unscaled first in fp16).
+
+    Each element is clamped on its own rank; under FSDP2 that is each shard.
+
+    Args:
+        ctx: the run context; not read, taken so every step function has the same shape.
+        model: a model, or an iterable of parameters; those without a gradient are skipped.
+        clip_value: the largest absolute value a gradient element keeps.
+        optimizer: the optimizer whose gradients are unscaled first; needed with `scaler`.
+        scaler: the fp16 scaler; default None, gradients are not unscaled.
+
+    Raises:
+        ValueError: for a `scaler` without `optimizer`, or an optimizer holding parameters
+            FSDP2 wrapping replaced.
 
     Example:
 

@@ -30,6 +30,9 @@ def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = 
     Returns:
         The seed this process used.
 
+    Raises:
+        ValueError: for a seed that is not a non-negative int.
+
     Example:
         >>> set_seed(0, ctx=RunContext(rank=1, world_size=2))
         1
@@ -37,6 +40,11 @@ def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"set_seed: seed={seed!r} must be a non-negative int.")
     value = seed + (ctx.rank if ctx is not None else 0)
+    if value >= 2**64:  # torch.manual_seed takes 64 bits
+        raise ValueError(
+            f"set_seed: seed={seed!r} is too large; torch seeds are below 2**64 (seed + rank). "
+            "Pass a smaller seed, e.g. seed % 2**32."
+        )
     random.seed(value)
     np.random.seed(value % 2**32)
     torch.manual_seed(value)  # also seeds every CUDA device
@@ -49,6 +57,11 @@ def get_rng_state() -> dict[str, Any]:
     """Capture the Python, NumPy, torch and CUDA RNG states of this process.
 
     The result holds only tensors, ints, strings and tuples, so it can be stored without pickle.
+    CUDA states are captured only once CUDA is initialised (this call does not initialise it).
+
+    Returns:
+        A dict with "python", "numpy" and "torch" states, and "cuda" (one state per device,
+        stacked) when CUDA is in use; pass it to `set_rng_state`.
 
     Example:
         >>> state = get_rng_state()
@@ -75,6 +88,12 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore the generators to states captured by `get_rng_state`.
+
+    The CUDA states are restored only when the state has them and CUDA is available.
+
+    Args:
+        state: the dict `get_rng_state` returned (in this process or another with the same
+            number of CUDA devices).
 
     Example:
         >>> state = get_rng_state()

@@ -128,7 +128,9 @@ def run_world(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_world: world_size={world_size!r} must be an int >= 1.")
-    if timeout <= 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"run_world: timeout={timeout!r} must be a number of seconds, e.g. 60.")
+    if not 0 < timeout < float("inf"):
         raise ValueError(f"run_world: timeout={timeout!r} must be a positive number of seconds.")
     spawn = mp.get_context("spawn")
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)

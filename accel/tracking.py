@@ -13,7 +13,7 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol, TypeVar, runtime_checkable
@@ -311,6 +311,52 @@ class TensorBoardTracker(_OnceTracker):
         super().close()
 
 
+class _SilentBar(Iterable[T]):
+    """A progress bar that draws nothing, with tqdm's methods (used when tqdm is not installed)."""
+
+    def __init__(self, iterable: Iterable[T], total: int | None = None) -> None:
+        self.iterable = iterable
+        self.total = total if total is not None else _length(iterable)
+        self.n = 0
+
+    def __iter__(self) -> Iterator[T]:
+        for item in self.iterable:
+            yield item
+            self.n += 1
+
+    def __len__(self) -> int:
+        if self.total is None:
+            raise TypeError(f"progress: {type(self.iterable).__name__} has no len(); pass total=")
+        return self.total
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, n: float = 1) -> None:
+        self.n += int(n)
+
+    def reset(self, total: int | None = None) -> None:
+        self.n, self.total = 0, total if total is not None else self.total
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None: ...
+    def set_description_str(self, desc: str | None = None, refresh: bool = True) -> None: ...
+    def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kw: Any) -> None: ...
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
+    def refresh(self) -> None: ...
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def _length(iterable: Iterable[Any]) -> int | None:
+    try:
+        return len(iterable)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def progress(
     ctx: RunContext,
     iterable: Iterable[T],
@@ -322,11 +368,13 @@ def progress(
     file: IO[str] | None = None,
     mininterval: float = 0.1,
     disable: bool = False,
-) -> Iterable[T]:
-    """Show a tqdm progress bar over `iterable` on the main process; iterate plainly elsewhere.
+) -> Any:
+    """Show a tqdm progress bar over `iterable` on the main process; a silent one elsewhere.
 
-    Other ranks (and every rank when `tqdm` is not installed) get `iterable` itself back, so the
-    loop is the same everywhere. Without tqdm the main process warns once per call.
+    Every rank gets a bar with tqdm's methods (`update`, `set_postfix`, `set_description`,
+    `close`, use as a context manager), so a loop ported from Accelerate that calls
+    `bar.update(1)` runs unchanged on every rank; only the main process draws. Without tqdm
+    every rank gets a silent bar and the main process warns once per call.
 
     Args:
         ctx: the run context; only `ctx.is_main` shows a bar.
@@ -340,25 +388,26 @@ def progress(
         disable: show no bar (and still iterate).
 
     Returns:
-        A tqdm bar wrapping `iterable` on the main process, else `iterable` unchanged.
+        A tqdm bar wrapping `iterable` (disabled on other ranks), or a silent bar with the
+        same methods when tqdm is not installed.
 
     Example:
-        >>> ctx = RunContext.single()
-        >>> sum(progress(ctx, range(4), desc="steps", disable=True))
-        6
+        >>> ctx = RunContext(rank=1, world_size=2)
+        >>> bar = progress(ctx, range(4), desc="steps")
+        >>> sum(bar), bar.update(1)
+        (6, None)
     """
-    if not ctx.is_main:
-        return iterable
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional dependency
     except ImportError:
-        warnings.warn(
-            "progress: tqdm is not installed, so no progress bar is shown; install it with "
-            "`pip install 'accel[tqdm]'`.",
-            stacklevel=2,
-        )
-        return iterable
-    bar: Iterable[T] = tqdm(
+        if ctx.is_main:
+            warnings.warn(
+                "progress: tqdm is not installed, so no progress bar is shown; install it with "
+                "`pip install 'accel[tqdm]'`.",
+                stacklevel=2,
+            )
+        return _SilentBar(iterable, None if total is None else int(total))
+    return tqdm(
         iterable,
         desc=desc,
         total=total,
@@ -366,6 +415,5 @@ def progress(
         unit=unit,
         file=file,
         mininterval=mininterval,
-        disable=disable,
+        disable=disable or not ctx.is_main,
     )
-    return bar

@@ -136,7 +136,7 @@ def main() -> None:
             window.append((x, y))
             if len(window) < ctx.grad_accum_steps:
                 continue
-            n = accel.num_items_in_batch(ctx, [y for _, y in window])
+            n = accel.num_items_in_batch(ctx, [y for _, y in window], shift=False)  # y: next chars
             for i, (xb, yb) in enumerate(window):
                 with accel.accumulate(ctx, model, i) as sync:
                     with accel.autocast(ctx):

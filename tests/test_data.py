@@ -10,18 +10,31 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import accel
 from accel import RunContext, ShardPlan
 
 
 def reference_layout(
-    batches: list[list[int]], rank: int, n: int, size: int, split: bool, even: bool, drop_last: bool
+    batches: list[list[int]],
+    rank: int,
+    n: int,
+    size: int | None,
+    split: bool,
+    even: bool,
+    drop_last: bool,
 ) -> list[list[int]]:
-    """Accelerate's BatchSamplerShard iteration, re-expressed step by step as its generator runs."""
+    """Accelerate's BatchSamplerShard iteration, re-expressed step by step as its generator runs.
+
+    At one process Accelerate's prepare_data_loader does not shard: the batches are unchanged.
+    `size` is the batch sampler's `batch_size` attribute (None for variable-size batches).
+    """
+    if n == 1:
+        return [list(b) for b in batches]
     out: list[list[int]] = []
     if split:
+        assert size is not None
         per = size // n
         initial: list[int] = []
         batch: list[int] = []
@@ -46,7 +59,7 @@ def reference_layout(
             initial += batch
         if idx % n == rank:
             to_yield = batch
-        if idx % n == n - 1 and len(batch) == size:
+        if idx % n == n - 1 and (size is None or len(batch) == size):
             out.append(to_yield)
             to_yield = []
     if not drop_last and initial:
@@ -54,6 +67,7 @@ def reference_layout(
             if to_yield:
                 out.append(to_yield)
         else:
+            assert size is not None  # Accelerate refuses even_batches without a batch size
             if len(to_yield) == size:
                 out.append(to_yield)
             while len(initial) < n * size:
@@ -317,10 +331,31 @@ def test_gather_for_metrics_single_process_and_errors() -> None:
         accel.gather_for_metrics(ctx, torch.zeros(2), loader=loader)
     outs = [accel.gather_for_metrics(ctx, {"x": b, "y": b * 2}, loader=loader) for b in loader]
     assert [o["y"].tolist() for o in outs] == [[0, 2], [4, 6], [8]]
+    with pytest.raises(ValueError, match="loop over the loader has ended"):
+        accel.gather_for_metrics(ctx, torch.tensor([0.5]), loader=loader)
+    assert accel.gather_for_metrics(ctx, [], loader=loader) == []
+    next(iter(loader))
     with pytest.raises(ValueError, match=r"use accel\.reduce"):
         accel.gather_for_metrics(ctx, torch.tensor(0.5), loader=loader)
     with pytest.raises(TypeError, match="is not a ShardedLoader"):
         accel.gather_for_metrics(ctx, torch.zeros(1), loader=DataLoader([1]))  # type: ignore[arg-type]
+
+
+def test_gather_for_metrics_of_python_objects_keeps_each_sample_once() -> None:
+    ctx = RunContext.single()
+    loader = accel.shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))
+    texts = [
+        accel.gather_for_metrics(ctx, [f"t{i}" for i in b.tolist()], loader=loader) for b in loader
+    ]
+    assert texts == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match="has 3 items but the batch has 2 samples"):
+        accel.gather_for_metrics(ctx, ["a", "b", "c"], loader=loader)
+    with pytest.raises(TypeError, match=r"one Python object per sample, e\.g\. list\(zip"):
+        accel.gather_for_metrics(ctx, (["a", "b"], ["c", "d"]), loader=loader)
+    pairs = accel.gather_for_metrics(ctx, [("a", "x"), ("b", "y")], loader=loader)
+    assert pairs == [("a", "x"), ("b", "y")]
 
 
 def test_batches_are_moved_to_the_context_device_unless_asked_not_to() -> None:
@@ -342,3 +377,170 @@ def test_workers_and_variable_size_batch_samplers() -> None:
         RunContext(rank=1, world_size=2), DataLoader(list(range(9)), batch_sampler=batch_sampler)
     )
     assert [(b.tolist(), other.padding) for b in other] == [([1, 2], 0), ([6], 0), ([0], 1)]
+
+
+# -- behaving like a DataLoader (issue 13) ----------------------------------------------------
+
+
+def test_every_iter_starts_a_full_pass_of_the_current_epoch() -> None:
+    # Accelerate's variable-size accumulation recipe: iter() every epoch, next() len() times.
+    loader = accel.shard_loader(RunContext.single(), DataLoader(list(range(4)), batch_size=2))
+    for _ in range(3):
+        it = iter(loader)
+        assert [next(it).tolist() for _ in range(len(loader))] == [[0, 1], [2, 3]]
+    # an evaluation loop that broke early does not make the next one skip samples
+    for _ in loader:
+        break
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+def test_iter_per_epoch_shuffles_like_for_loops_and_resumes_only_once() -> None:
+    def make() -> accel.ShardedLoader:
+        ctx = RunContext(rank=1, world_size=2, seed=4)
+        return accel.shard_loader(ctx, DataLoader(list(range(12)), batch_size=2, shuffle=True))
+
+    by_for = make()
+    epochs = [[b.tolist() for b in by_for] for _ in range(3)]
+    assert epochs[0] != epochs[1]
+    by_next = make()
+    for epoch in epochs:  # a pass that took every batch with next() ends the epoch
+        it = iter(by_next)
+        assert [next(it).tolist() for _ in range(len(by_next))] == epoch
+    half = make()
+    it = iter(half)
+    next(it)
+    resumed = make()
+    resumed.load_state_dict(half.state_dict())
+    assert [b.tolist() for b in resumed] == epochs[0][1:]  # the first iter() resumes
+    assert [b.tolist() for b in resumed] == epochs[1]  # later ones start a full pass
+    again = make()
+    again.load_state_dict(half.state_dict())
+    again.set_epoch(0)  # the usual `set_epoch(epoch)` at the top of the loop keeps the resume
+    assert [b.tolist() for b in again] == epochs[0][1:]
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last", "split", "even"), list(itertools.product(
+    (False, True), repeat=4)))  # fmt: skip
+def test_one_process_yields_what_the_dataloader_yields(
+    shuffle: bool, drop_last: bool, split: bool, even: bool
+) -> None:
+    # At world size 1 Accelerate does not shard: nothing is padded or repeated.
+    for length, size in itertools.product((1, 5, 6, 7), (2, 3)):
+        ctx = RunContext.single(seed=2)
+        base = DataLoader(list(range(length)), batch_size=size, drop_last=drop_last)
+        loader = accel.shard_loader(
+            ctx,
+            DataLoader(list(range(length)), batch_size=size, drop_last=drop_last, shuffle=shuffle),
+            split_batches=split,
+            even_batches=even,
+        )
+        got = [b.tolist() for b in loader]
+        if shuffle:
+            order = list(RandomSampler(range(length), generator=torch.Generator().manual_seed(2)))
+            batches = [order[i : i + size] for i in range(0, length, size)]
+            expected = batches[:-1] if drop_last and len(batches[-1]) < size else batches
+        else:
+            expected = [b.tolist() for b in base]
+        assert got == expected, (length, size)
+        assert len(loader) == len(expected)
+        assert all(loader.padding == 0 for _ in loader)
+    stream = accel.shard_loader(RunContext.single(), DataLoader(Stream(5), batch_size=2))
+    assert [b.tolist() for b in stream] == [[0, 1], [2, 3], [4]]
+    single = accel.shard_loader(RunContext.single(), DataLoader(list(range(5)), batch_size=2))
+    assert [b.tolist() for b in single] == [[0, 1], [2, 3], [4]]
+
+
+class VariableBatches:
+    """A batch sampler of fixed, variable-size batches, with a `drop_last` attribute."""
+
+    def __init__(self, batches: list[list[int]], drop_last: bool) -> None:
+        self.batches, self.drop_last = batches, drop_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_variable_batch_sampler_with_drop_last_drops_the_incomplete_round() -> None:
+    batches = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    for even in (True, False):
+        got = [
+            [b.tolist() for b in accel.shard_loader(
+                RunContext(rank=r, world_size=2),
+                DataLoader(list(range(14)), batch_sampler=VariableBatches(batches, True)),
+                even_batches=even,
+            )]
+            for r in range(2)
+        ]  # fmt: skip
+        assert got == [[[0, 1, 2], [5, 6, 7, 8]], [[3, 4], [9, 10, 11]]], even
+
+
+def lent_layout(batches: list[list[int]], rank: int, n: int) -> list[tuple[list[int], int]]:
+    """accel's rule for variable-size batches with even_batches (Accelerate refuses them):
+    round-robin, and the last round completed with whole batches from the start of the epoch."""
+    tail = len(batches) % n
+    own = [(b, 0) for k, b in enumerate(batches) if k % n == rank]
+    if tail and rank >= tail:
+        lent = batches[(rank - tail) % len(batches)]
+        own.append((lent, len(lent)))
+    return own
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5), max_size=12),
+    n=st.integers(1, 4),
+    split=st.booleans(),
+    even=st.booleans(),
+    drop_last=st.booleans(),
+)
+def test_variable_size_batch_samplers_follow_accelerates_rules(
+    sizes: list[int], n: int, split: bool, even: bool, drop_last: bool
+) -> None:
+    starts = list(itertools.accumulate([0, *sizes]))
+    batches = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+    plans = []
+    for r in range(n):
+        ctx = RunContext(rank=r, world_size=n)
+        sampler = VariableBatches(batches, drop_last)
+        base = DataLoader(list(range(starts[-1])), batch_sampler=sampler)
+        if split:  # a variable size cannot be cut into world_size equal slices
+            with pytest.raises(ValueError, match="split_batches=True needs a loader with a batch"):
+                accel.shard_loader(ctx, base, split_batches=True, even_batches=even)
+            return
+        loader = accel.shard_loader(ctx, base, even_batches=even)
+        got = [(b.tolist(), loader.padding) for b in loader]
+        assert len(got) == len(loader)
+        if n == 1:  # one process: the batches as they are
+            assert got == [(b, 0) for b in batches]
+        elif drop_last or not even:  # BatchSamplerShard with batch_size=None
+            expected = reference_layout(batches, r, n, None, False, even, drop_last)
+            assert [b for b, _ in got] == expected
+            assert all(p == 0 for _, p in got)
+        else:
+            assert got == lent_layout(batches, r, n)
+        plans.append(got)
+    if even or drop_last:  # every rank takes the same number of steps: DDP cannot hang
+        assert len({len(p) for p in plans}) == 1
+    real = sorted(i for p in plans for b, pad in p for i in b[: len(b) - pad])
+    complete = len(batches) - (len(batches) % n if drop_last and n > 1 else 0)
+    assert real == [i for b in batches[:complete] for i in b]
+
+
+@pytest.mark.parametrize("seed", [0, 3, 2024])
+def test_seed_gives_accelerates_seedable_sampler_order_every_epoch(seed: int) -> None:
+    # Accelerate's SeedableRandomSampler seeds a torch.Generator with data_seed + epoch.
+    for via_ctx in (False, True):
+        ctx = RunContext.single(seed=seed if via_ctx else None)
+        loader = accel.shard_loader(
+            ctx,
+            DataLoader(list(range(10)), batch_size=3, shuffle=True),
+            seed=None if via_ctx else seed,
+        )
+        for epoch in range(3):
+            expected = list(
+                RandomSampler(range(10), generator=torch.Generator().manual_seed(seed + epoch))
+            )
+            assert [i for b in loader for i in b.tolist()] == expected, (seed, epoch)

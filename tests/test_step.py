@@ -186,11 +186,23 @@ def test_accumulate_single_process_gives_the_accumulated_gradient() -> None:
 def test_num_items_in_batch_counts_real_labels() -> None:
     ctx = RunContext.single()
     batches = [{"labels": torch.tensor([[1, -100], [2, 3]])}, torch.tensor([7, 0, -1])]
-    assert accel.num_items_in_batch(ctx, batches) == 6
-    assert accel.num_items_in_batch(ctx, batches, ignore_index=-1) == 6 - 1 + 1
-    assert accel.num_items_in_batch(ctx, []) == 0
+    assert accel.num_items_in_batch(ctx, batches, shift=False) == 6
+    assert accel.num_items_in_batch(ctx, batches, ignore_index=-1, shift=False) == 6 - 1 + 1
+    assert accel.num_items_in_batch(ctx, [], shift=False) == 0
     with pytest.raises(TypeError, match="batch of type str has no labels"):
-        accel.num_items_in_batch(ctx, ["x"])
+        accel.num_items_in_batch(ctx, ["x"], shift=False)
+
+
+def test_num_items_in_batch_counts_what_a_causal_lm_scores_when_shifted() -> None:
+    # A causal LM predicts token t+1 from tokens <= t: it scores labels[..., 1:] (3 here).
+    ctx = RunContext.single()
+    batch = {"labels": torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])}
+    assert accel.num_items_in_batch(ctx, [batch], shift=True) == 3
+    assert accel.num_items_in_batch(ctx, [batch], shift=False) == 5
+    assert accel.num_items_in_batch(ctx, [torch.tensor([1, 2, 3])], shift=True) == 2
+    # the shift is a choice the caller makes, never a guess
+    with pytest.raises(TypeError, match="shift"):
+        accel.num_items_in_batch(ctx, [batch])  # type: ignore[call-arg]
 
 
 def test_fsdp2_without_a_process_group_says_what_to_do() -> None:

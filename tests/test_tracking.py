@@ -6,6 +6,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,12 +172,34 @@ def test_progress_shows_a_bar_on_the_main_process_only() -> None:
     bar = progress(MAIN, items, desc="train", file=stream, mininterval=0)
     assert list(bar) == items
     assert "train: 100%" in stream.getvalue() and "3/3" in stream.getvalue()
-    assert progress(OTHER, items, desc="train", file=stream) is items
+    other = io.StringIO()
+    _use_like_accelerate(progress(OTHER, items, desc="train", file=other), items)
+    assert other.getvalue() == ""  # nothing drawn on other ranks
 
 
-def test_progress_without_tqdm_iterates_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    items = range(3)
+def _use_like_accelerate(bar: Any, items: Any) -> None:
+    """The calls a ported loop makes on its bar, on every rank."""
+    with bar as same:
+        assert list(same) == list(items)
+        assert len(same) == len(items)
+        same.update(1)
+        same.set_description("epoch 1")
+        same.set_postfix(loss=0.5)
+        same.set_postfix_str("loss=0.5")
+        same.refresh()
+        same.reset()
+    bar.close()
+
+
+def test_progress_gives_every_rank_a_bar_with_the_same_methods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Accelerate's habit `bar.update(1)` must work on other ranks too, where no bar is drawn.
+    items = [1, 2, 3]
+    _use_like_accelerate(progress(OTHER, items), items)
+    _use_like_accelerate(progress(OTHER, range(3), total=3), range(3))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # and when tqdm is not installed
+    _use_like_accelerate(progress(OTHER, items), items)
     with pytest.warns(UserWarning, match=r"tqdm is not installed.*accel\[tqdm\]"):
-        assert progress(MAIN, items) is items
-    assert progress(OTHER, items) is items
+        bar = progress(MAIN, items)
+    _use_like_accelerate(bar, items)

@@ -12,15 +12,16 @@ import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from accel.big_model import _device_map as dm
-from accel.big_model._device_map import Device
+from accel.big_model import _planner
 from accel.big_model._hooks import remove_hooks
 from accel.big_model._offload import DiskTensor, check_writable, write_index, write_tensor
+from accel.big_model._planner import Device
 
 __all__ = [
     "compute_module_sizes",
@@ -42,6 +43,15 @@ def init_on_device(device: torch.device | str, *, include_buffers: bool = False)
     because many are computed at build time (rotary tables) and are not in checkpoints.
     The block patches `nn.Module.register_parameter` (and `register_buffer`) for its duration;
     build models in it from one thread at a time.
+
+    Args:
+        device: where new parameters go, a `torch.device` or a string such as "meta" or
+            "cuda:0".
+        include_buffers: move buffers registered inside the block to `device` too; default
+            False (they stay where they were created, usually the CPU).
+
+    Yields:
+        None; build the model inside the block.
 
     Example:
         >>> import torch, accel
@@ -82,6 +92,14 @@ def init_empty_weights(*, include_buffers: bool = False) -> Iterator[None]:
     """Build a model with no memory: parameters created inside the block live on "meta".
 
     Fill it afterwards with `dispatch_checkpoint` (or `load_state_dict(..., assign=True)`).
+    The same as `init_on_device("meta", include_buffers=include_buffers)`.
+
+    Args:
+        include_buffers: put buffers registered inside the block on "meta" too; default False
+            (they stay on the CPU, where computed buffers such as rotary tables are needed).
+
+    Yields:
+        None; build the model inside the block.
 
     Example:
         >>> import torch, accel
@@ -94,18 +112,33 @@ def init_empty_weights(*, include_buffers: bool = False) -> Iterator[None]:
         yield
 
 
-def compute_module_sizes(model: nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, int]:
+def compute_module_sizes(
+    model: nn.Module, *, dtype: torch.dtype | str | None = None
+) -> dict[str, int]:
     """Return the bytes of parameters and buffers under each module name ("" is the model).
 
-    A tied tensor counts once (at its first name); with `dtype`, floating-point tensors are
-    counted at that dtype's size (integer buffers keep theirs). Works on meta models.
+    A tied tensor counts once (at its first name); with `dtype` (a torch dtype or its name),
+    floating-point tensors are counted at that dtype's size (integer buffers keep theirs).
+    Works on meta models.
+
+    Args:
+        model: the model to measure, on any device including "meta".
+        dtype: count floating-point tensors at this dtype's element size; default None, their
+            own dtype.
+
+    Returns:
+        Module name -> size in bytes of every parameter and buffer under it; "" is the whole
+        model.
 
     Example:
         >>> import torch, accel
-        >>> accel.compute_module_sizes(torch.nn.Linear(4, 2), dtype=torch.float16)
+        >>> accel.compute_module_sizes(torch.nn.Linear(4, 2), dtype="float16")
         {'': 20}
     """
-    return dm.module_sizes(model, dtype)
+    return dm.module_sizes(model, dm.as_dtype("compute_module_sizes", dtype))
+
+
+Strategy = Literal["sequential", "balanced", "balanced_low_0"]
 
 
 def infer_device_map(
@@ -113,49 +146,67 @@ def infer_device_map(
     *,
     max_memory: Mapping[Device, int | str] | None = None,
     no_split: Iterable[str | type] = (),
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
+    strategy: Strategy = "sequential",
 ) -> dict[str, Device]:
-    """Plan where each module lives: greedy in module order over accelerators, "cpu", "disk".
+    """Plan where each module lives, by the rules of Accelerate's `infer_auto_device_map`.
 
-    Modules fill accelerator 0, 1, ..., then "cpu", then "disk" (only the devices named in
-    `max_memory`). A module that does not fit is split into its children, unless its class is in
-    `no_split`. When later modules are offloaded, room for the largest of them is kept on the
-    first device, which runs them. Tied tensors stay on one device. Pure: nothing is allocated.
+    Modules fill accelerator 0, 1, ..., then "cpu", then "disk" (always available, unlimited),
+    in module order. The first accelerator and the CPU keep room for the largest layer still to
+    place, since offloaded layers run there. A module that does not fit is split into its own
+    tensors and children, unless its class is in `no_split`. Modules sharing tied tensors are
+    placed together. Children that land on one device are merged back under their parent's
+    name. "balanced" and "balanced_low_0" first lower each accelerator's budget but the last to
+    an even share of the model (Accelerate's `get_balanced_memory`; "balanced_low_0" keeps
+    accelerator 0 as empty as it can). Pure: nothing is allocated, no device needs to exist.
 
     Args:
         model: the model (usually built under `init_empty_weights`).
-        max_memory: bytes per device, e.g. `{0: "10GiB", "cpu": 2**34, "disk": 10**12}`.
-            Default: the free memory of each CUDA device and 90% of available RAM.
+        max_memory: bytes per device, e.g. `{0: "10GiB", "cpu": 2**34}`; size strings parse
+            as in Accelerate ("MB" is 10**6 bytes, "MiB" 2**20, a lowercase "b" bits). Without
+            a "cpu" entry, 80% of the available RAM. Default: the free memory of each CUDA
+            device and 90% of the available RAM.
         no_split: classes (or class names) never split across devices (residual blocks).
-        dtype: size floating-point tensors as this dtype (the dtype you will load in).
+        dtype: size floating-point tensors as this dtype (a torch dtype or its name).
+        strategy: "sequential", "balanced" or "balanced_low_0".
 
     Returns:
         Module or tensor name -> device (an accelerator index, "cpu" or "disk"), in module order.
 
     Raises:
-        ValueError: a bad `max_memory`, or budgets too small for the model.
+        ValueError: a bad `max_memory`, `dtype` name or `strategy`.
+        TypeError: a `dtype` that is neither a torch dtype nor a string.
 
     Example:
         >>> import torch, accel
-        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])  # 80 B each
-        >>> accel.infer_device_map(model, max_memory={0: 250, "cpu": 1000})
-        {'0': 0, '1': 0, '2': 'cpu', '3': 'cpu'}
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])  # 80 B each
+        >>> accel.infer_device_map(model, max_memory={0: 250, "cpu": 170})
+        {'0': 0, '1': 0, '2': 'cpu', '3': 'disk', '4': 'disk'}
     """
-    budgets = dm.budgets("infer_device_map", max_memory)
+    fn = "infer_device_map"
+    if strategy not in get_args(Strategy):
+        raise ValueError(
+            f"{fn}: strategy={strategy!r} is not a strategy; expected one of "
+            f"{get_args(Strategy)}. Use 'balanced' to spread a model over several GPUs."
+        )
+    budgets = dm.budgets(fn, max_memory)
     names = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
-    root = dm.build_units(model, names, dtype)
-    return dm.plan(root, budgets)
+    torch_dtype = dm.as_dtype(fn, dtype)
+    if strategy != "sequential":
+        low_zero = strategy == "balanced_low_0"
+        budgets = _planner.balanced_budgets(model, budgets, names, torch_dtype, low_zero=low_zero)
+    return _planner.plan(model, budgets, names, torch_dtype)
 
 
 def dispatch_checkpoint(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
-    device_map: Literal["auto"] | Mapping[str, Device] = "auto",
+    device_map: Literal["auto"] | Strategy | Mapping[str, Device] = "auto",
     max_memory: Mapping[Device, int | str] | None = None,
     no_split: Iterable[str | type] = (),
     offload_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     strict: bool = True,
 ) -> nn.Module:
     """Load a safetensors checkpoint into an empty model shard by shard, placing each module.
@@ -170,23 +221,30 @@ def dispatch_checkpoint(
     Args:
         model: a model built under `init_empty_weights` (or a real one, overwritten).
         checkpoint: a .safetensors file, a sharded index .json, or a folder holding either.
-        device_map: "auto" (plan with `infer_device_map`) or module/tensor name -> device.
-        max_memory: budgets for "auto"; with `offload_dir` and no "disk" entry, disk is
-            unlimited.
+        device_map: a strategy of `infer_device_map` ("sequential", "balanced",
+            "balanced_low_0"; "auto" is "balanced", as in Accelerate), or module/tensor name ->
+            device. Any module may be named, containers never called themselves (an
+            `nn.ModuleList`) included: the modules under them that run are hooked.
+        max_memory: budgets for planning (see `infer_device_map`); "disk" is always there.
         no_split: classes (or names) never split across devices.
         offload_dir: folder for disk-offloaded weights that must be rewritten (dtype change).
-        dtype: cast floating-point weights to this dtype while loading.
+        dtype: cast the checkpoint's floating-point tensors to this dtype (or its name) while
+            loading; buffers the checkpoint does not hold stay as the model built them.
         strict: refuse checkpoints with missing or unexpected keys (missing keys that would
             leave a meta tensor are refused either way).
 
     Returns:
-        The same model, loaded and dispatched. Use `remove_hooks` to drop the hooks.
+        The same model, loaded and dispatched, with the map used in `model.hf_device_map`.
+        Use `remove_hooks` to drop the hooks.
 
     Raises:
         ValueError: missing/unexpected keys, a shape mismatch, a device map that misses a
-            tensor or splits tied weights, an unwritable `offload_dir`, budgets too small.
+            tensor or splits tied weights, an unwritable `offload_dir`, a bad `max_memory`,
+            `dtype` or strategy, or a dtype change on disk without `offload_dir`.
         FileNotFoundError: the checkpoint or a shard does not exist.
         RuntimeError: the model already has offload hooks (call `remove_hooks` first).
+        TypeError: a `device_map` that is neither a strategy nor a mapping, or a `dtype`
+            that is neither a torch dtype nor a string.
 
     Example:
         >>> import tempfile, torch, accel
@@ -203,44 +261,60 @@ def dispatch_checkpoint(
 
     fn = "dispatch_checkpoint"
     _dispatch.check_unhooked(fn, model)
+    torch_dtype = dm.as_dtype(fn, dtype)
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
     entries = _dispatch.checkpoint_entries(fn, checkpoint)
     layout = _dispatch.Layout(model)
     _dispatch.check_keys(fn, layout, entries, strict)
-    if device_map == "auto":
-        budgets = dm.budgets(fn, max_memory)
-        if folder is not None and "disk" not in budgets:
-            budgets["disk"] = 2**62
-        device_map = infer_device_map(model, max_memory=budgets, no_split=no_split, dtype=dtype)
+    if isinstance(device_map, str):
+        strategy = "balanced" if device_map == "auto" else device_map
+        if strategy not in get_args(Strategy):
+            raise ValueError(
+                f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
+                f"'auto' or one of {get_args(Strategy)}, or a dict of name -> device."
+            )
+        device_map = infer_device_map(
+            model,
+            max_memory=dm.budgets(fn, max_memory),
+            no_split=no_split,
+            dtype=torch_dtype,
+            strategy=strategy,
+        )
     elif not isinstance(device_map, Mapping):
         raise TypeError(
             f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
         )
     elif max_memory is not None or no_split:
         warnings.warn(
-            f"{fn}: max_memory and no_split only shape device_map='auto'; they are ignored with "
-            "the device_map you passed.",
+            f"{fn}: max_memory and no_split only shape a planned device_map; they are ignored "
+            "with the device_map you passed.",
             stacklevel=2,
         )
     placement = layout.place(fn, device_map)
     execution = _dispatch.execution_device(device_map)
-    sources = _dispatch.load(fn, layout, entries, placement, execution, folder, dtype)
+    sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
     _dispatch.hook(model, layout, device_map, sources, execution)
+    object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
     return model
 
 
 def cpu_offload(
     model: nn.Module, *, execution_device: torch.device | str | int | None = None
 ) -> nn.Module:
-    """Keep `model`'s weights on the CPU and move each module's to `execution_device` only for
-    its forward.
+    """Keep `model`'s weights on the CPU, moving each module's to the execution device per forward.
+
+    Each module's weights go to `execution_device` only for its forward.
 
     Args:
         model: a model in memory.
-        execution_device: where forwards run; default the current CUDA device, else the CPU.
+        execution_device: where forwards run (an int is a CUDA index); default the current
+            CUDA device, else the CPU.
 
     Returns:
         The same model, hooked (undo with `remove_hooks`).
+
+    Raises:
+        RuntimeError: when the model already has offload hooks (call `remove_hooks` first).
 
     Example:
         >>> import torch, accel
@@ -266,16 +340,22 @@ def disk_offload(
     offload_dir: str | os.PathLike[str],
     execution_device: torch.device | str | int | None = None,
 ) -> nn.Module:
-    """Write `model`'s weights to `offload_dir` as numpy memmaps and read each module's back,
-    lazily, only for its forward.
+    """Write `model`'s weights to `offload_dir` as numpy memmaps and read them back per forward.
+
+    Each module's weights are read back lazily, only for its forward.
 
     Args:
         model: a model in memory (its tensors are replaced by meta placeholders).
         offload_dir: a writable folder; it receives one `.dat` per tensor and `index.json`.
-        execution_device: where forwards run; default the current CUDA device, else the CPU.
+        execution_device: where forwards run (an int is a CUDA index); default the current
+            CUDA device, else the CPU.
 
     Returns:
         The same model, hooked (undo with `remove_hooks`).
+
+    Raises:
+        RuntimeError: when the model already has offload hooks (call `remove_hooks` first).
+        ValueError: when `offload_dir` cannot be created or written to.
 
     Example:
         >>> import tempfile, torch, accel

@@ -11,17 +11,16 @@ import torch
 from torch import nn
 
 from accel.big_model import _device_map as dm
-from accel.big_model._device_map import Device
 from accel.big_model._hooks import ATTR, Slot, attach, attach_input_move
 from accel.big_model._offload import (
     ST_DTYPES,
     DiskTensor,
     HeaderEntry,
-    read_header,
     write_index,
     write_tensor,
 )
-from accel.checkpoint._files import resolve_checkpoint
+from accel.big_model._planner import Device
+from accel.checkpoint._files import resolve_checkpoint, verified_headers
 
 
 def check_unhooked(fn: str, model: nn.Module) -> None:
@@ -103,10 +102,11 @@ def checkpoint_entries(
 ) -> dict[str, tuple[Path, HeaderEntry]]:
     files = resolve_checkpoint(fn, checkpoint)
     entries: dict[str, tuple[Path, HeaderEntry]] = {}
-    for file in files.files:
-        for key, entry in read_header(file).items():
+    # The shared parser: bounded, validated headers; sizes and crc32 when a manifest is there.
+    for file, header in verified_headers(fn, files).items():
+        for key, t in header.tensors.items():
             if files.weight_map is None or files.weight_map.get(key) == file:
-                entries[key] = (file, entry)
+                entries[key] = (file, HeaderEntry(t.dtype, t.shape, header.data_start + t.begin))
     return entries
 
 
@@ -172,7 +172,12 @@ def load(
                     where = (str(file), entry.offset, entry.shape, entry.dtype)
                     sources[canonical] = DiskTensor(*where)
                     continue
-                tensor = f.get_tensor(key).to(target)
+                if target == ST_DTYPES[entry.dtype][0]:
+                    tensor = f.get_tensor(key)
+                else:  # cast while reading: never the whole source beside its copy
+                    tensor = DiskTensor(str(file), entry.offset, entry.shape, entry.dtype).read_as(
+                        target
+                    )
                 if device == "disk":
                     if folder is None:
                         raise ValueError(
@@ -187,9 +192,9 @@ def load(
     for canonical, device in placement.items():
         if canonical in done:
             continue
-        tensor = layout.tensors[canonical]  # not in the checkpoint: a real non-persistent tensor
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+        # Not in the checkpoint: a real non-persistent tensor (a rotary table), kept as the
+        # model built it; `dtype` casts the checkpoint's tensors only.
+        tensor = layout.tensors[canonical]
         if device in dm.OFFLOAD and (device == "disk" or execution.type != "cpu"):
             sources[canonical] = tensor
         else:
@@ -220,18 +225,52 @@ def hook(
     sources: Mapping[str, torch.Tensor | DiskTensor],
     execution: torch.device,
 ) -> None:
-    """Offload hooks on each unit whose tensors have sources; input moves on other GPUs."""
+    """Offload hooks on each unit whose tensors have sources; input moves on other GPUs.
+
+    A unit that is never called itself (an `nn.ModuleList`: no forward of its own) is hooked
+    through the modules under it that are called, each for the tensors under it.
+    """
     modules = dict(model.named_modules())
     offloaded = [n for n in layout.tensors if layout.canonical[n] in sources]
-    by_unit: dict[str, list[Slot]] = {}
+    by_target: dict[str, list[Slot]] = {}
     for slot, name in zip(_slots(layout, offloaded, sources), offloaded, strict=True):
-        by_unit.setdefault(_unit_of(name, device_map), []).append(slot)
+        by_target.setdefault(_called_unit(name, _unit_of(name, device_map), modules), []).append(
+            slot
+        )
+    for target, slots in by_target.items():
+        attach(modules[target] if target in modules else layout.owner[target][0], slots, execution)
     for unit, device in device_map.items():
-        hooked = modules[unit] if unit in modules else layout.owner[unit][0]
-        if unit in by_unit:
-            attach(hooked, by_unit[unit], execution)
-        elif isinstance(device, int) and _torch_device(device) != execution:
-            attach_input_move(hooked, _torch_device(device))
+        if not isinstance(device, int) or _torch_device(device) == execution:
+            continue
+        for target in _called_units(unit, modules) if unit in modules else [unit]:
+            if target not in by_target:
+                hooked = modules[target] if target in modules else layout.owner[target][0]
+                attach_input_move(hooked, _torch_device(device))
+
+
+def _runs_itself(module: nn.Module) -> bool:
+    """Whether calling `module` does anything: containers have no forward of their own."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _called_unit(name: str, unit: str, modules: Mapping[str, nn.Module]) -> str:
+    """`unit`, or, when it never runs itself, the module under it, above `name`, that runs."""
+    target = unit
+    parts = name.split(".")
+    depth = len(unit.split(".")) if unit else 0
+    while target in modules and not _runs_itself(modules[target]) and depth < len(parts) - 1:
+        depth += 1
+        target = ".".join(parts[:depth])
+    return target
+
+
+def _called_units(unit: str, modules: Mapping[str, nn.Module]) -> list[str]:
+    """The modules at or under `unit` that run: `unit`, or the children of a container."""
+    if _runs_itself(modules[unit]):
+        return [unit]
+    dot = f"{unit}." if unit else ""
+    kids = [dot + n for n, m in modules[unit].named_children()]
+    return [t for kid in kids for t in _called_units(kid, modules)]
 
 
 def _unit_of(name: str, device_map: Mapping[str, Device]) -> str:

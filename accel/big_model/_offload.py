@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ import numpy as np
 import torch
 
 INDEX = "index.json"
+READ_CHUNK = 16 * 2**20
+"""Bytes read at a time when a tensor is cast while loading."""
 
 # safetensors dtype name -> (torch dtype, numpy dtype that holds its bits)
 ST_DTYPES = MappingProxyType(
@@ -62,6 +63,28 @@ class DiskTensor:
         tensor = torch.from_numpy(array)
         return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
 
+    def read_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """Read the bytes into a new CPU tensor of `dtype`, casting a chunk at a time.
+
+        Each chunk is mapped, cast into place and unmapped, so the peak is the result plus one
+        chunk, where mapping the whole tensor and casting it would hold the source as well
+        (mapped pages count in the process's memory until they are unmapped).
+        """
+        source, np_dtype = ST_DTYPES[self.dtype]
+        out = torch.empty(self.shape, dtype=dtype)
+        flat = out.view(-1)
+        step = max(1, READ_CHUNK // source.itemsize)
+        for start in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - start)
+            offset = self.offset + start * source.itemsize
+            array = np.memmap(self.path, dtype=np_dtype, mode="c", offset=offset, shape=(count,))
+            chunk = torch.from_numpy(array)
+            flat[start : start + count].copy_(
+                chunk.view(source) if chunk.dtype != source else chunk
+            )
+            del array, chunk  # unmapped here
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class HeaderEntry:
@@ -71,23 +94,6 @@ class HeaderEntry:
     shape: tuple[int, ...]
     offset: int
     """Absolute byte offset of the data in the file."""
-
-
-def read_header(path: Path) -> dict[str, HeaderEntry]:
-    """Parse a safetensors file's header (8-byte length + JSON) without reading any data."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    start = 8 + length
-    return {
-        name: HeaderEntry(
-            dtype=info["dtype"],
-            shape=tuple(info["shape"]),
-            offset=start + info["data_offsets"][0],
-        )
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
 
 
 def write_tensor(folder: Path, name: str, tensor: torch.Tensor) -> DiskTensor:

@@ -10,11 +10,9 @@ either complete under its final name or absent.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shutil
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -22,21 +20,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from accel._groups import barrier, require_group
+from accel._groups import barrier, global_rank, named_collective, require_group
 from accel._size import parse_size
-from accel._version import __version__
 from accel.checkpoint import _atomic, _dcp
-from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
+from accel.checkpoint._files import resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
-    dedupe_tied,
+    fill,
     load_full_state,
-    shard_name,
-    split_shards,
+    write_model_files,
 )
-from accel.checkpoint._safetensors_io import read_file, write_file
+from accel.checkpoint._safetensors_io import read_file
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.context import RunContext
 from accel.parallel import unwrap_model
@@ -84,9 +81,21 @@ def save_model(
     `model-0000k-of-0000N.safetensors` shards and a `model.safetensors.index.json`. Tied
     tensors are stored once (under their first name) and `load_checkpoint_in_model` restores
     them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
-    (sizes, checksums) is written beside them; other files in `directory` are left alone.
+    (sizes, checksums) is written beside them. `save_model`'s own files of an earlier save in
+    another layout (shards, index, single file) are removed; other files are left alone.
     FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
     must call then); otherwise use `save_state`, which saves them sharded.
+
+    Args:
+        ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
+        model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
+        directory: the folder to write into; created if missing.
+        max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
+        full_state_dict: gather FSDP2 shards to full weights on every rank; default False.
+
+    Raises:
+        ValueError: for a bad `max_shard_size`, an FSDP2 model without `full_state_dict=True`,
+            or a tensor on the meta device.
 
     Example:
         >>> import tempfile
@@ -96,6 +105,7 @@ def save_model(
         ['accel-manifest.json', 'model.safetensors']
     """
     fn = "save_model"
+    _check_model(fn, model)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
@@ -114,66 +124,54 @@ def save_model(
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(inner, options=options)
     if ctx.is_main:
-        _write_model_files(Path(directory), state, max_bytes)
+        write_model_files(Path(directory), state, max_bytes)
     if ctx.world_size > 1:
         barrier(ctx, fn)
 
 
-def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
-    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    shards = split_shards(tensors, max_bytes)
-    directory.mkdir(parents=True, exist_ok=True)
-    names = (
-        [SINGLE_NAME]
-        if len(shards) == 1
-        else [shard_name(i, len(shards)) for i in range(len(shards))]
-    )
-    meta = {"format": "pt"}
-    entries: dict[str, list[int]] = {}
-    for name, shard in zip(names, shards, strict=True):
-        entries[name] = list(
-            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+def _check_model(fn: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{fn}: model={model!r:.60} is a {type(model).__name__}, not a torch.nn.Module; pass "
+            "the model (the checkpoint path is the next argument)."
         )
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {
-            "metadata": {"total_size": total, "tied": aliases},
-            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
-        }
-        data = json.dumps(index, indent=2).encode()
-        entries[INDEX_NAME] = list(
-            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
-        )
-    manifest = {
-        "format": _atomic.FORMAT,
-        "accel_version": __version__,
-        "torch_version": torch.__version__,
-        "files": entries,
-    }
-    data = json.dumps(manifest, indent=1).encode()
-    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
-    _atomic.fsync_path(directory)
-
-
-def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
-    partial = path.with_name(f".{path.name}.partial")
-    result = write(partial)
-    partial.replace(path)  # atomic: readers see the old file or the new one, never half
-    return result
 
 
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
+    device: torch.device | str | int | None = None,
     strict: bool = True,
 ) -> LoadResult:
     """Load safetensors weights (a file, an index, or a folder) into `model` in place.
+
+    An empty model (built under `init_empty_weights`) is filled on the CPU, or on `device`
+    (Accelerate's `device_map={"": 0}` is `device=0`); tied weights stay tied and take the
+    dtype the model declares. With `device`, a real model's tensors move there too. Placing
+    modules across devices is `dispatch_checkpoint`'s job.
 
     Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
     absolute paths) are refused before any file is opened.
+
+    Args:
+        model: the model to fill, wrapped or not; an FSDP2 model takes each rank's slice.
+        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
+        device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
+            model is filled on the CPU, a real one is loaded where its tensors are.
+        strict: require the key sets to match; default True (False loads the matching ones).
+
+    Returns:
+        A `LoadResult`: the model's keys the checkpoint lacked and the checkpoint's keys the
+        model lacks, each sorted (both empty when `strict` succeeds).
+
+    Raises:
+        FileNotFoundError: when `checkpoint`, or a file its index names, does not exist.
+        ValueError: for a shape mismatch, key sets that differ under `strict`, a bad index or
+            manifest, a file whose size or checksum differs from the manifest, or a meta
+            tensor the checkpoint does not hold.
 
     Example:
         >>> import tempfile
@@ -183,6 +181,10 @@ def load_checkpoint_in_model(
         LoadResult(missing_keys=[], unexpected_keys=[])
     """
     fn = "load_checkpoint_in_model"
+    _check_model(fn, model)
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device) if device is not None else None
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
@@ -192,7 +194,10 @@ def load_checkpoint_in_model(
         loaded.update(read_file(fn, path, expect))
     inner = unwrap_model(model)
     state = check_against_model(fn, inner, loaded, strict=strict)
-    load_full_state(inner, state, strict=strict)
+    if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):
+        load_full_state(inner, state, strict=strict)
+    else:
+        fill(fn, inner, state, device or torch.device("cpu"))
     own = inner.state_dict().keys()
     return LoadResult(sorted(own - state.keys()), sorted(loaded.keys() - own))
 
@@ -244,29 +249,35 @@ def _start_save(
 ) -> CheckpointHandle:
 
     plan = classify(fn, objects)
-    _wait_for_previous_saves()
+    _wait_for_previous_saves()  # a background save of this same name may publish meanwhile
+    replace = _atomic.check_target(fn, final)  # on every rank: they all refuse alike
     group = _group(ctx, fn)
-    staging = _atomic.staging_dir(final)
+    staging = _atomic.sibling(final, "partial")
     if ctx.is_main:
-        _atomic.fresh_staging(final)
-    if ctx.world_size > 1:
-        barrier(ctx, fn)
-    if plan.dcp_models:  # a collective: runs in the caller's thread, before any background work
-        models = dict(plan.dcp_models)
-        optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
-        _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
-    files = snapshot(fn, ctx, plan, objects, copy=not blocking)
+        _atomic.sweep(final.parent)
+    with _atomic.removed_on_failure(fn, staging, final):  # elsewhere: a name never created
+        if ctx.is_main:
+            staging.mkdir(parents=True)
+        if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
+            staging = _agree_on(ctx, fn, staging)
+    with _atomic.removed_on_failure(fn, staging, final):
+        if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
+            models = dict(plan.dcp_models)
+            optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
+            _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
+        files = snapshot(fn, ctx, plan, objects, copy=not blocking)
     names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
     names += [n for n, _, _ in plan.dcp_optimizers]
     info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
     timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
 
     def job() -> None:
-        write_rank_files(staging, ctx.rank, files)
-        if ctx.is_main:
-            finish(staging, final, ctx.world_size, info, timeout_s)
-            if after_publish is not None:
-                after_publish()
+        with _atomic.removed_on_failure(fn, staging, final):
+            write_rank_files(staging, ctx.rank, files)
+            if ctx.is_main:
+                finish(fn, staging, final, ctx.world_size, info, timeout_s, replace=replace)
+        if ctx.is_main and after_publish is not None:
+            after_publish()
 
     if blocking:
         job()
@@ -287,6 +298,13 @@ def _start_save(
     return handle
 
 
+def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:
+    box: list[Any] = [str(staging)]
+    with named_collective(ctx, fn):
+        dist.broadcast_object_list(box, src=global_rank(ctx, 0), group=require_group(ctx, fn))
+    return Path(box[0])
+
+
 def _group(ctx: RunContext, fn: str) -> Any:
     return None if ctx.world_size == 1 else require_group(ctx, fn)
 
@@ -298,9 +316,29 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
     their optimizers sharded through torch.distributed.checkpoint), optimizers, schedulers,
     GradScaler, loaders, `torch.Generator`, or anything with `state_dict`/`load_state_dict`.
     Objects are saved once, from rank 0, unless wrapped in `PerRank`; the RNG states of every
-    rank are always saved. Tensors go to safetensors and everything else to JSON: nothing is
-    pickled. The directory is written under a temporary name, fsynced with a manifest of sizes
-    and crc32 checksums, and renamed into place; call it on every rank.
+    rank are always saved, and so are the gradients a model has accumulated inside an
+    accumulation window (each rank its own; `load_state` restores them, or clears stale ones).
+    Tensors go to safetensors and everything else to JSON: nothing is pickled. The directory is
+    written under a temporary name, fsynced with a manifest of sizes and crc32 checksums, and
+    renamed into place; call it on every rank. An existing accel checkpoint under `directory`
+    is replaced; a folder holding other files (FileExistsError) or a file (NotADirectoryError)
+    is refused before anything is written. A failed save removes what it wrote.
+
+    Args:
+        ctx: the run context; every rank calls with the same names.
+        directory: the folder to create; an existing accel checkpoint is replaced once the new
+            one is done; any other existing folder with files in it is refused.
+        **objects: the objects to save, by name; `PerRank(obj)` saves every rank's own copy.
+
+    Raises:
+        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
+        ValueError: for a name reserved for the RNG states.
+        FileExistsError: `directory` holds files but is not an accel checkpoint.
+        NotADirectoryError: `directory` (or a parent) is a file.
+        OSError: a write failed (disk full, read-only); it names the checkpoint, and what was
+            written is removed.
+        TimeoutError: on rank 0, when a rank's files are missing after `ctx.timeout` (None:
+            30 minutes).
 
     Example:
         >>> import tempfile
@@ -319,11 +357,24 @@ def load_state(
 ) -> dict[str, Any]:
     """Load what `save_state` saved into the given objects, in place, and restore RNG states.
 
-    Refuses a directory with no manifest, and any file whose size or checksum differs from the
-    manifest (naming it). FSDP2 state loads at any world size. Call it on every rank.
+    Refuses a directory with no manifest, and any file whose size, checksum or header is wrong
+    (naming it). Every file is verified before any object or RNG state changes, so a failed
+    load leaves them as they were. FSDP2 state loads at any world size. Call it on every rank.
+    A rank with no saved RNG state (saved by fewer ranks) warns and keeps its own.
+
+    Args:
+        ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
+        directory: a folder written by `save_state` (or `save_checkpoint`).
+        **objects: the objects to load into, in place, by the names they were saved under.
 
     Returns:
         The manifest (`step`, `world_size`, versions, files).
+
+    Raises:
+        FileNotFoundError: when `directory` or its manifest does not exist.
+        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
+        ValueError: for a name that was not saved, a file whose size or checksum differs from
+            the manifest, or a model whose shapes or keys differ from the saved one.
 
     Example:
         >>> import tempfile
@@ -354,6 +405,21 @@ def save_checkpoint(
     host memory; the write and fsync run in a background thread. The next save (or
     `handle.wait()`) waits for it, and a crash during it leaves the previous checkpoint latest.
 
+    Args:
+        ctx: the run context; call it on every rank.
+        root: the folder of `step-<n>` checkpoints; created if missing.
+        state: name -> object, as `save_state`'s keyword arguments.
+        step: the training step, an int >= 0, which names the folder.
+        keep: how many of the newest complete checkpoints to keep; default None keeps all.
+        blocking: return only once the checkpoint is published; default True.
+
+    Returns:
+        A `CheckpointHandle`; its `wait()` returns the path once durable, or re-raises.
+
+    Raises:
+        ValueError: for a `step` that is not an int >= 0, or a `keep` not None or >= 1.
+        TypeError: for an object `save_state` cannot save.
+
     Example:
         >>> import tempfile
         >>> root = tempfile.mkdtemp()
@@ -363,51 +429,84 @@ def save_checkpoint(
         ('step-3', 'step-3')
     """
     fn = "save_checkpoint"
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"{fn}: state={type(state).__name__} must be a dict of name -> object, e.g. "
+            '{"model": model, "optimizer": optimizer}.'
+        )
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
     root_path = Path(root)
-    root_path.mkdir(parents=True, exist_ok=True)
     final = root_path / f"step-{step}"
-    rotate = (lambda: _rotate(root_path, keep, step)) if keep is not None else None
+    _atomic.check_target(fn, final)
+    root_path.mkdir(parents=True, exist_ok=True)
+    rotate = None if keep is None else partial(_rotate, root_path, keep, step)
     return _start_save(
         fn, ctx, final, dict(state), info={"step": step}, blocking=blocking, after_publish=rotate
     )
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for path in root.iterdir() if root.is_dir() else ():
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and _is_complete(path):
-            found.append((int(match[1]), path))
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            f"latest_checkpoint: root={str(root)!r} is a file, not a folder of step-<n> "
+            "checkpoints. Pass the folder given to save_checkpoint."
+        )
+    # A writer with keep= may publish step n+1 and rotate step n away between the listing and
+    # the checks: when every listed checkpoint vanished that way, list again.
+    for _ in range(100):
+        found, vanished = [], False
+        for path in root.iterdir() if root.is_dir() else ():
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and _is_complete(path):
+                found.append((int(match[1]), path))
+            vanished = vanished or (match is not None and not path.exists())
+        if found or not vanished:
+            break
     return sorted(found)
 
 
 def _is_complete(path: Path) -> bool:
     try:
         manifest = _atomic.read_manifest("latest_checkpoint", path)
-    except (FileNotFoundError, ValueError):
+        for rel, (size, _) in manifest["files"].items():
+            if (path / rel).stat().st_size != size:
+                logger.debug("skipping %s: %s has not the size its manifest records", path, rel)
+                return False
+    except (OSError, ValueError) as err:  # incomplete, damaged, or rotated away meanwhile
+        logger.debug("skipping %s: %s", path, err)
         return False
-    for rel, entry in manifest["files"].items():
-        file = path / rel
-        if not file.is_file() or file.stat().st_size != int(entry[0]):
-            return False
     return True
 
 
-def _rotate(root: Path, keep: int | None, step: int) -> None:
-    if keep is None:
-        return
-    complete = _complete_steps(root)
-    for old_step, path in complete[:-keep]:
-        if old_step != step:
-            shutil.rmtree(path)
+def _rotate(root: Path, keep: int, step: int) -> None:
+    for old_step, path in _complete_steps(root)[:-keep]:
+        if old_step == step:
+            continue
+        # Renamed first, so a kill during the deletion leaves a name the next save removes.
+        doomed = _atomic.sibling(path, "deleting")
+        try:
+            path.rename(doomed)
+        except FileNotFoundError:
+            continue  # another writer rotated it away already
+        _atomic.remove_tree(doomed)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete `root/step-<n>` checkpoint (manifest present, sizes match), or None.
+    """Find the newest complete `root/step-<n>` checkpoint (manifest present, sizes match).
+
+    Checksums are not read here; `load_state` verifies them.
+
+    Args:
+        root: the folder `save_checkpoint` writes into; it need not exist.
+
+    Returns:
+        The path of the complete checkpoint with the highest step, or None.
+
+    Folders that are incomplete or damaged are skipped (logged at debug level); a `root` that
+    does not exist yet gives None, one that is a file raises NotADirectoryError.
 
     Example:
         >>> import tempfile

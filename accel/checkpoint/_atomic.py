@@ -2,18 +2,26 @@
 
 A checkpoint directory is complete exactly when it exists under its final name: it only gets
 that name by an atomic `rename` after every file in it and the manifest were fsynced. A crash
-at any moment leaves either the previous state or a `.<name>.partial` sibling, which readers
-ignore and the next save removes.
+at any moment leaves either the previous state or a hidden sibling unique to its writer
+(`.<name>.<host>-<pid>-<random>.partial`), which readers ignore and the next save removes once
+that writer is gone. A failed save removes its own sibling at once.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import mmap
 import os
+import re
+import secrets
 import shutil
+import socket
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +30,71 @@ import torch
 from accel._version import __version__
 from accel.checkpoint._crc32 import crc32
 
+logger = logging.getLogger(__name__)
+
 MANIFEST = "accel-manifest.json"
 FORMAT = 1
-_PARTIAL = ".partial"
+
+# Names accel gives its own temporary siblings of a checkpoint `name`:
+#   .<name>.<host>-<pid>-<random>.partial    a save being written (unique per writer)
+#   .<name>.<host>-<pid>-<random>.old        a checkpoint being replaced by a newer save of it
+#   .<name>.<host>-<pid>-<random>.deleting   a checkpoint rotation is deleting
+# Writers never share one, so two processes saving the same name cannot mix files, and a
+# leftover is removed by the next save once its writer is known to be gone.
+_DEBRIS = re.compile(
+    r"\.(?P<name>.+)\.(?P<host>[\w-]*)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>partial|old|deleting)"
+)
 
 
-def staging_dir(final: Path) -> Path:
-    """The hidden sibling a save of `final` is written into."""
-    return final.parent / f".{final.name}{_PARTIAL}"
+def _token() -> str:
+    host = re.sub(r"[^\w-]", "_", socket.gethostname())
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def sibling(final: Path, kind: str) -> Path:
+    """A fresh, unique hidden sibling of `final` of the given kind (partial, old, deleting)."""
+    return final.parent / f".{final.name}.{_token()}.{kind}"
+
+
+def _writer_gone(host: str, pid: int) -> bool:
+    if host != re.sub(r"[^\w-]", "_", socket.gethostname()):
+        return False  # another machine's writer: it may be alive; leave its files alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep(parent: Path) -> None:
+    """Remove accel's leftovers in `parent`: rotations cut short, saves whose writer died.
+
+    Only names accel itself creates are considered (see `_DEBRIS`); a leftover of a live writer,
+    or of a writer on another machine, is left alone. Failures (a read-only folder) are logged.
+    """
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for path in entries:
+        match = _DEBRIS.fullmatch(path.name)
+        if match is None:
+            continue  # not a name accel writes: never touched
+        if match["kind"] == "deleting" or _writer_gone(match["host"], int(match["pid"])):
+            logger.debug("removing %s, left by an interrupted save or rotation", path)
+            remove_tree(path)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory tree; tolerate parts (or all of it) vanishing meanwhile."""
+
+    def onerror(func: Any, failed: str, exc_info: Any) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):
+            logger.debug("could not remove %s: %r", failed, exc_info[1])
+
+    shutil.rmtree(path, onerror=onerror)
 
 
 def fsync_path(path: Path) -> None:
@@ -63,19 +128,54 @@ def checksum_file(path: Path) -> tuple[int, int]:
             view.release()
 
 
-def fresh_staging(final: Path) -> Path:
-    """Create an empty staging directory for `final`, removing a crashed save's leftovers."""
-    staging = staging_dir(final)
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
+def check_target(fn: str, final: Path) -> bool:
+    """Refuse a save over anything but an accel checkpoint; True when `final` is one to replace.
+
+    Raises before anything is written: NotADirectoryError when `final` (or a parent) is a file,
+    FileExistsError when it is a folder holding files that are not an accel checkpoint.
+    """
+    for parent in [final, *final.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"{fn}: directory={str(final)!r} cannot be created: {str(parent)!r} is a file, "
+                "not a folder; accel will not rename or replace it. Pass a folder path."
+            )
+    if not final.exists():
+        return False
+    found = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
+    if not found:
+        return False
+    listed: set[str] = set()
+    # A damaged manifest vouches for nothing: then every file counts as the user's.
+    with suppress(ValueError):
+        if (final / MANIFEST).is_file():
+            listed = {MANIFEST, *read_manifest(fn, final)["files"]}
+    foreign = [rel for rel in found if rel not in listed]
+    if not foreign:
+        return True
+    what = "is not an accel checkpoint" if not listed else "holds files its manifest does not list"
+    raise FileExistsError(
+        f"{fn}: directory={str(final)!r} {what}; saving would replace it and lose "
+        f"{foreign[:5]}{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}. Pass a "
+        "new or empty folder, or move those files away first."
+    )
 
 
 def publish(
-    staging: Path, final: Path, entries: dict[str, list[int]], info: dict[str, Any]
+    fn: str,
+    staging: Path,
+    final: Path,
+    entries: dict[str, list[int]],
+    info: dict[str, Any],
+    *,
+    replace: bool,
 ) -> None:
-    """Write the manifest, fsync, and rename `staging` to `final` (replacing an old `final`)."""
+    """Write the manifest, fsync, and rename `staging` to `final`.
+
+    With `replace`, an existing accel checkpoint `final` is renamed aside first and deleted
+    after. Without it the rename never replaces a published checkpoint (a directory holding
+    files cannot be renamed over): a second writer of the same name gets FileExistsError.
+    """
     manifest = {
         "format": FORMAT,
         "accel_version": __version__,
@@ -86,36 +186,85 @@ def publish(
     write_bytes(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
     for sub in sorted({p.parent for p in staging.rglob("*")} | {staging}, reverse=True):
         fsync_path(sub)
-    old = final.parent / f".{final.name}.old"
-    if final.exists():
+    old = sibling(final, "old")
+    if replace:
         # Not atomic for a directory saved twice under one name: between the two renames the
-        # name is missing (never half-written). Numbered checkpoints never take this path.
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    staging.rename(final)
+        # name is missing (never half-written). Numbered checkpoints saved once skip this.
+        with suppress(FileNotFoundError):  # moved away meanwhile: nothing to replace
+            final.rename(old)
+    try:
+        staging.rename(final)
+    except OSError as err:
+        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{fn}: {str(final)!r} was published by another writer while this save ran, so "
+            "this save was discarded (the published checkpoint is whole). Give each writer "
+            "its own step or directory.",
+        ) from err
     fsync_path(final.parent)
     if old.exists():
-        shutil.rmtree(old)
+        remove_tree(old)
+
+
+def cleanup_failed(fn: str, staging: Path, final: Path, err: BaseException) -> BaseException:
+    """Remove a failed save's staging folder; return the error to raise, naming `final`."""
+    remove_tree(staging)
+    if isinstance(err, OSError) and not isinstance(err, FileExistsError) and err.errno:
+        where = f" ({err.filename})" if err.filename else ""
+        return OSError(
+            err.errno,
+            f"{fn}: saving {str(final)!r} failed: {err.strerror}{where}. The partial save was "
+            "removed; the previous checkpoints are intact. Free space or fix the folder's "
+            "permissions, then save again.",
+        )
+    return err
 
 
 def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
-    """The manifest of a published directory; raises naming the directory when absent."""
+    """The manifest of a published directory; raises naming the directory or the manifest."""
     path = directory / MANIFEST
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"{fn}: directory={str(directory)!r} is a file, not a checkpoint folder. Pass the "
+            "folder save_state wrote (or accel.latest_checkpoint(root) for numbered ones)."
+        )
     if not directory.is_dir():
-        raise FileNotFoundError(f"{fn}: directory={str(directory)!r} does not exist.")
-    if not path.is_file():
+        raise FileNotFoundError(
+            f"{fn}: directory={str(directory)!r} does not exist. If it was the latest "
+            "checkpoint a moment ago, a newer save_checkpoint(keep=...) rotated it away; call "
+            "accel.latest_checkpoint(root) again."
+        )
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"{fn}: {str(directory)!r} was deleted while it was read: a newer save rotated "
+                "it away. Call accel.latest_checkpoint(root) again."
+            ) from None
         raise FileNotFoundError(
             f"{fn}: {str(directory)!r} has no {MANIFEST}, so it is not a complete accel "
             "checkpoint (a save was interrupted, or it was written by something else). Use "
             "accel.latest_checkpoint(root) to find the newest complete one."
-        )
+        ) from None
     try:
-        manifest: Any = json.loads(path.read_text())
+        manifest: Any = json.loads(text)
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise TypeError
-    except (ValueError, TypeError):
-        raise ValueError(f"{fn}: {str(path)!r} is not a valid accel manifest.") from None
+            raise TypeError("no 'files' object")
+        for rel, entry in manifest["files"].items():
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+            ):
+                raise TypeError(f"the entry of {rel!r} is {entry!r}, not [size, crc32]")
+    except (ValueError, TypeError, RecursionError) as err:  # RecursionError: nested too deep
+        raise ValueError(
+            f"{fn}: {str(path)!r} is not a valid accel manifest ({err}); the checkpoint is "
+            "damaged. Load an earlier checkpoint."
+        ) from None
     return manifest
 
 
@@ -138,3 +287,15 @@ def wait_for_files(paths: list[Path], timeout_s: float) -> None:
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+@contextmanager
+def removed_on_failure(fn: str, staging: Path, final: Path) -> Iterator[None]:
+    """Remove `staging` when the block raises; re-raise, naming `final` for OS errors."""
+    try:
+        yield
+    except BaseException as err:
+        new = cleanup_failed(fn, staging, final, err)
+        if new is err:
+            raise
+        raise new from err

@@ -13,6 +13,15 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
+from accel.checkpoint import _atomic
+from accel.checkpoint._header import (
+    CorruptFileError,
+    Header,
+    looks_like_pickle,
+    pickle_error,
+    read_header,
+)
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -43,6 +52,9 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
             path = path / SINGLE_NAME
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))
+            pickles = sorted(p for p in path.iterdir() if looks_like_pickle(p))
+            if not found and pickles:
+                raise pickle_error(fn, pickles[0])
             if len(found) != 1:
                 raise FileNotFoundError(
                     f"{fn}: checkpoint={str(checkpoint)!r} is a folder with no {INDEX_NAME} or "
@@ -52,6 +64,8 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
             path = path / found[0]
     if not path.exists():
         raise FileNotFoundError(f"{fn}: checkpoint={str(checkpoint)!r} does not exist.")
+    if looks_like_pickle(path):
+        raise pickle_error(fn, path)
     if path.suffix == ".json":
         return _read_index(fn, path)
     return CheckpointFiles(files=(path,), weight_map=None)
@@ -59,11 +73,11 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
 
 def _read_index(fn: str, index: Path) -> CheckpointFiles:
     try:
-        data: Any = json.loads(index.read_text())
+        data: Any = json.loads(index.read_bytes())
         weight_map = data["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, not UTF-8, too deep
         raise ValueError(
             f"{fn}: {str(index)!r} is not a safetensors index (a JSON object with a "
             "'weight_map' of tensor name -> file name)."
@@ -86,3 +100,26 @@ def _read_index(fn: str, index: Path) -> CheckpointFiles:
         files[shard] = None
         resolved[name] = shard
     return CheckpointFiles(files=tuple(files), weight_map=MappingProxyType(resolved))
+
+
+def verified_headers(fn: str, files: CheckpointFiles) -> dict[Path, Header]:
+    """Each file's validated header; with an accel manifest beside them, sizes and crc32 too.
+
+    For loaders that read tensors lazily (dispatch_checkpoint): every byte is checked against
+    the manifest up front, so a flipped bit is refused before any weight is placed.
+    """
+    folder = files.files[0].parent
+    manifest = _atomic.read_manifest(fn, folder) if (folder / _atomic.MANIFEST).is_file() else None
+    headers = {}
+    for path in files.files:
+        headers[path] = read_header(fn, path)
+        expect = _atomic.expected(manifest, path.name) if manifest is not None else None
+        if expect is not None:
+            found = _atomic.checksum_file(path)
+            if found != expect:
+                raise CorruptFileError(
+                    f"{fn}: {str(path)!r} fails its checksum (size {found[0]}, crc32 "
+                    f"{found[1]:#010x}; the manifest says size {expect[0]}, crc32 "
+                    f"{expect[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+                )
+    return headers

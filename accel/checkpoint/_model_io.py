@@ -2,27 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from accel._version import __version__
+from accel.checkpoint import _atomic
+from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME
+from accel.checkpoint._safetensors_io import write_file
 from accel.parallel._dtensor import is_dtensor, is_sharded
+
+# The files save_model writes (and so may remove when it writes another layout); nothing else.
+_OWN_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def dedupe_tied(
-    state: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor], *, allow_meta: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep one name per shared tensor; return (tensors to save, alias name -> saved name)."""
+    """Keep one name per shared tensor; return (tensors to save, alias name -> saved name).
+
+    Meta tensors (no data) are refused unless `allow_meta`; then ties are found by identity,
+    so `state` must hold the model's own tensors (`state_dict(keep_vars=True)`).
+    """
     kept: dict[tuple[object, ...], str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for name, t in state.items():
-        if t.device.type == "meta":
-            raise ValueError(f"save_model: tensor {name!r} is on the meta device (no data).")
         key: tuple[object, ...]
-        if is_dtensor(t):  # a sharded parameter: tied parameters are the same object
+        if t.device.type == "meta":
+            if not allow_meta:
+                raise ValueError(f"save_model: tensor {name!r} is on the meta device (no data).")
+            key = ("meta", id(t))
+        elif is_dtensor(t):  # a sharded parameter: tied parameters are the same object
             key = ("dtensor", id(t))
         else:
             key = (
@@ -66,8 +83,8 @@ def check_against_model(
     Raises ValueError naming the tensor and both shapes on a mismatch (always), and naming the
     missing or unexpected keys when `strict`.
     """
-    own = model.state_dict()
-    _, own_aliases = dedupe_tied(own)
+    own = model.state_dict(keep_vars=True)  # the model's own tensors: ties by identity on meta
+    _, own_aliases = dedupe_tied(own, allow_meta=True)
     state = dict(loaded)
     for alias, kept in own_aliases.items():
         if alias not in state and kept in state:
@@ -109,3 +126,93 @@ def load_full_state(model: nn.Module, state: Mapping[str, torch.Tensor], *, stri
     set_model_state_dict(
         model, dict[str, Any](state), options=StateDictOptions(full_state_dict=True, strict=strict)
     )
+
+
+def fill(
+    fn: str, model: nn.Module, state: Mapping[str, torch.Tensor], device: torch.device
+) -> None:
+    """Put `state`'s tensors into `model` on `device` (a model built on meta included): each
+    tensor once, shared by all its tied names, in the dtype the model declares. A meta tensor
+    the checkpoint lacks is refused; other tensors it lacks (a rotary table) are moved along."""
+    groups: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                groups.setdefault(id(t), []).append((module, attr, f"{prefix}.{attr}".lstrip(".")))
+    empty = [
+        members[0][2]
+        for members in groups.values()
+        if _get(members[0]).is_meta and not any(m[2] in state for m in members)
+    ]
+    if empty:
+        raise ValueError(
+            f"{fn}: the model's tensors {empty[:10]} ({len(empty)}) are on the meta device and "
+            "the checkpoint does not hold them (non-persistent buffers?). Build the model with "
+            "init_empty_weights(include_buffers=False) so buffers are computed on the CPU."
+        )
+    for members in groups.values():
+        old = _get(members[0])
+        source = next((state[m[2]] for m in members if m[2] in state), old)
+        value = source.detach().to(device=device, dtype=old.dtype)
+        if isinstance(old, nn.Parameter):
+            value = nn.Parameter(value, old.requires_grad)
+        for module, attr, _ in members:
+            table = module._parameters if attr in module._parameters else module._buffers
+            table[attr] = value  # type: ignore[assignment]
+
+
+def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
+    module, attr, _ = member
+    t = module._parameters.get(attr)
+    return t if t is not None else module._buffers[attr]  # type: ignore[return-value]
+
+
+def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
+    """Write the Hugging Face layout, its manifest, and remove this layout's stale files."""
+    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
+    shards = split_shards(tensors, max_bytes)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [shard_name(i, len(shards)) for i in range(len(shards))]
+    )
+    meta = {"format": "pt"}
+    entries: dict[str, list[int]] = {}
+    for name, shard in zip(names, shards, strict=True):
+        entries[name] = list(
+            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+        )
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {
+            "metadata": {"total_size": total, "tied": aliases},
+            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+        }
+        data = json.dumps(index, indent=2).encode()
+        entries[INDEX_NAME] = list(
+            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
+        )
+    stale = [
+        p for p in directory.iterdir() if _OWN_FILES.fullmatch(p.name) and p.name not in entries
+    ]
+    if any(p.name == INDEX_NAME for p in stale):  # now one file: the old index must not win over it
+        (directory / INDEX_NAME).unlink()
+    manifest = {
+        "format": _atomic.FORMAT,
+        "accel_version": __version__,
+        "torch_version": torch.__version__,
+        "files": entries,
+    }
+    data = json.dumps(manifest, indent=1).encode()
+    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
+    for path in stale:  # an earlier save's shards (or single file) of another layout
+        path.unlink(missing_ok=True)
+    _atomic.fsync_path(directory)
+
+
+def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
+    partial = path.with_name(f".{path.name}.partial")
+    result = write(partial)
+    partial.replace(path)  # atomic: readers see the old file or the new one, never half
+    return result

@@ -25,32 +25,21 @@ import torch
 
 from accel.checkpoint._atomic import fsync_path
 from accel.checkpoint._crc32 import crc32
+from accel.checkpoint._header import (
+    DTYPES,
+    ITEMSIZE,
+    CorruptFileError,
+    header_length,
+    looks_like_pickle,
+    parse_header,
+    pickle_error,
+)
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
 CHUNK = 8 << 20
 
-DTYPES = MappingProxyType(
-    {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-    }
-)
 NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
-
-
-class CorruptFileError(ValueError):
-    """A checkpoint file whose size, checksum or header does not match what was written."""
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -195,53 +184,18 @@ def read_file(
 
 def parse(fn: str, path: Path, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Split a whole safetensors file held in `buf` (uint8) into tensors viewing it."""
-
-    def bad(why: str) -> CorruptFileError:
-        return CorruptFileError(
-            f"{fn}: {str(path)!r} is not a valid safetensors file ({why}); it is truncated or "
-            "corrupt. Save it again or load an earlier checkpoint."
-        )
-
-    total = buf.numel()
-    if total < 8:
-        raise bad(f"{total} bytes, shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
-    if n > total - 8:
-        raise bad(f"header of {n} bytes in a file of {total}")
-    try:
-        header = json.loads(bytes(buf[8 : 8 + n].numpy()))
-        if not isinstance(header, dict):
-            raise TypeError
-    except (ValueError, TypeError):
-        raise bad("header is not a JSON object") from None
-    data = buf[8 + n :]
+    size = buf.numel()
+    if looks_like_pickle(path):
+        raise pickle_error(fn, path)
+    prefix = bytes(buf[:8].numpy())
+    n = header_length(fn, path, prefix, size)
+    header = parse_header(fn, path, bytes(buf[8 : 8 + n].numpy()), size)
+    data = buf[header.data_start :]
     out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"entry {name!r} is malformed") from None
-        count = 1
-        for d in shape:
-            count *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not 0 <= begin <= end <= data.numel() or end - begin != count * itemsize:
-            raise bad(f"tensor {name!r} lies outside the data or has the wrong size")
-        raw = data[begin:end]
-        if (8 + n + begin) % itemsize:  # misaligned in the file: copy to an aligned buffer
-            raw = raw.clone()
-        out[name] = raw.view(dtype).reshape(shape)
+    for name, entry in header.tensors.items():
+        dtype = DTYPES[entry.dtype]
+        raw = data[entry.begin : entry.end]
+        if (header.data_start + entry.begin) % ITEMSIZE[entry.dtype]:
+            raw = raw.clone()  # misaligned in the file: copy to an aligned buffer
+        out[name] = raw.view(dtype).reshape(entry.shape)
     return out
-
-
-def read_metadata(path: Path) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file (empty when it has none)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    meta = header.get("__metadata__") or {}
-    return {str(k): str(v) for k, v in meta.items()}

@@ -16,6 +16,8 @@ so the write can run in a background thread while training runs its own collecti
 from __future__ import annotations
 
 import json
+import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from accel.parallel._dtensor import is_sharded
 from accel.seeding import get_rng_state, set_rng_state
 
 RNG = "rng"
+GRADS = "grads"
 Files = dict[str, tuple[dict[str, torch.Tensor], bytes]]
 
 
@@ -41,8 +44,8 @@ class PerRank:
     """Mark an object whose state differs between ranks, so every rank saves its own copy.
 
     By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
-    equal). Wrap what is not replicated, such as gradients accumulated under DDP's `no_sync`:
-    `save_state(ctx, d, grads=PerRank(grad_holder))`; load with the same wrapper.
+    equal). Wrap what is not replicated: `save_state(ctx, d, state=PerRank(holder))`; load with
+    the same wrapper. (A model's accumulated gradients need no wrapper: they are saved per rank.)
     """
 
     obj: Any
@@ -91,6 +94,15 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
             optimizers.append((name, obj))
         else:
             kinds.append((name, _kind(obj)))
+    if dcp_names is None:  # saving: refuse what would be lost, before any file or collective
+        for name, model in dcp_models.items():
+            if accumulated_grads(model):
+                raise NotImplementedError(
+                    f"{fn}: {name}= is sharded by FSDP2 and holds gradients accumulated inside "
+                    "an accumulation window; saving sharded gradients is not supported, and "
+                    "dropping them would make the resumed run differ. Save after the optimizer "
+                    "step and zero_grad (when accumulate yields sync=True)."
+                )
     dcp_optimizers = []
     for name, opt in optimizers:
         owner = _dcp.owner_model(opt, dcp_models)
@@ -143,8 +155,20 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
         elif ctx.is_main:
             state, aliases = _state_of(kind, objects[name])
             files[name] = _pack(fn, name, state, {"kind": kind, "aliases": aliases}, copy)
+        if kind == "module" and (grads := accumulated_grads(objects[name])):
+            # Inside an accumulation window: every rank's own sums (not reduced yet under DDP).
+            files[_grad_stem(name, ctx.rank)] = _pack(fn, name, grads, {"kind": GRADS}, copy)
     files[f"{RNG}/rank{ctx.rank}"] = _pack(fn, RNG, get_rng_state(), {"kind": RNG}, copy)
     return files
+
+
+def accumulated_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The `.grad` of each parameter that has one (empty outside an accumulation window)."""
+    return {n: p.grad for n, p in unwrap_model(model).named_parameters() if p.grad is not None}
+
+
+def _grad_stem(name: str, rank: int) -> str:
+    return f"{name}/{GRADS}-rank{rank}"
 
 
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
@@ -177,7 +201,14 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
 
 
 def finish(
-    staging: Path, final: Path, world_size: int, info: dict[str, Any], timeout_s: float
+    fn: str,
+    staging: Path,
+    final: Path,
+    world_size: int,
+    info: dict[str, Any],
+    timeout_s: float,
+    *,
+    replace: bool,
 ) -> None:
     """Rank 0: wait for every rank's marker, then write the manifest and publish."""
     markers = [staging / f".rank{r}.done" for r in range(world_size)]
@@ -191,7 +222,8 @@ def finish(
         for path in sorted(dcp_dir.rglob("*")):
             if path.is_file():
                 entries[path.relative_to(staging).as_posix()] = list(_atomic.checksum_file(path))
-    _atomic.publish(staging, final, entries, {"world_size": world_size, **info})
+    info = {"world_size": world_size, **info}
+    _atomic.publish(fn, staging, final, entries, info, replace=replace)
 
 
 def _read(
@@ -204,30 +236,45 @@ def _read(
                 f"{fn}: {str(directory)!r} holds no {rel!r} (saved objects: "
                 f"{sorted(manifest.get('objects', {}))}); pass the names used at save time."
             )
-    raw = (directory / json_rel).read_bytes()
-    expect = _atomic.expected(manifest, json_rel)
-    import zlib
-
-    if expect is not None and (len(raw), zlib.crc32(raw)) != expect:
+    path = directory / json_rel
+    raw = path.read_bytes()
+    if (len(raw), zlib.crc32(raw)) != _atomic.expected(manifest, json_rel):
         raise ValueError(
-            f"{fn}: {str(directory / json_rel)!r} fails its size/checksum check; the file is "
-            "corrupt. Load an earlier checkpoint."
+            f"{fn}: {str(path)!r} fails its size/checksum check; the file is corrupt. Load an "
+            "earlier checkpoint."
         )
     try:
         doc = json.loads(raw)
-    except ValueError:
-        raise ValueError(f"{fn}: {str(directory / json_rel)!r} is not JSON.") from None
+    except (ValueError, RecursionError):
+        raise ValueError(f"{fn}: {str(path)!r} is not JSON.") from None
+    if not isinstance(doc, dict) or "state" not in doc:
+        raise ValueError(
+            f"{fn}: {str(path)!r} is not an accel state file (a JSON object with a 'state' "
+            "key); the checkpoint was damaged or written by something else. Load an earlier "
+            "checkpoint."
+        )
     # A module's weights are copied into its parameters at once; other objects keep theirs.
     private = doc.get("kind") != "module"
     tensors = read_file(fn, directory / st_rel, _atomic.expected(manifest, st_rel), copy=private)
-    return decode(fn, doc["state"], tensors), doc
+    try:
+        return decode(fn, doc["state"], tensors), doc
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(
+            f"{fn}: {str(path)!r} describes a state accel cannot rebuild ({err}); the "
+            "checkpoint was damaged or written by something else. Load an earlier checkpoint."
+        ) from None
 
 
-def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> None:
+def _prepare(fn: str, kind: str, obj: Any, state: Any) -> Any:
+    """Check a module's state against the module before anything is loaded; return it whole."""
     if kind == "module":
-        inner = unwrap_model(obj)
-        full = check_against_model(fn, inner, state, strict=True)
-        load_full_state(inner, full, strict=True)
+        return check_against_model(fn, unwrap_model(obj), state, strict=True)
+    return state
+
+
+def _apply(kind: str, obj: Any, state: Any) -> None:
+    if kind == "module":
+        load_full_state(unwrap_model(obj), state, strict=True)
     elif kind == "generator":
         obj.set_state(state["state"].clone())  # torch reads a view's storage from offset 0
     else:
@@ -237,23 +284,92 @@ def _apply(fn: str, kind: str, obj: Any, state: Any, doc: dict[str, Any]) -> Non
 def load(
     fn: str, ctx: RunContext, directory: Path, objects: dict[str, Any], group: Any
 ) -> dict[str, Any]:
-    """Verify and load every object; returns the manifest."""
+    """Verify every file, then load every object; returns the manifest.
+
+    Nothing is changed until every file passed its size, checksum and header checks, so a
+    corrupt file leaves the objects (and the RNG states) as they were.
+    """
     manifest = _atomic.read_manifest(fn, directory)
     plan = classify(fn, objects, frozenset(manifest.get("dcp", ())))
-    for name, kind in plan.kinds:
-        if kind == "per_rank":
-            obj = objects[name].obj
-            state, doc = _read(fn, directory, manifest, f"{name}/rank{ctx.rank}")
-            _apply(fn, _kind(obj), obj, state, doc)
-        else:
-            state, doc = _read(fn, directory, manifest, name)
-            _apply(fn, kind, objects[name], state, doc)
+    todo: list[tuple[str, Any, Any]] = []
+    grads: list[tuple[Any, dict[str, torch.Tensor] | None]] = []
+    try:
+        for name, kind in plan.kinds:
+            obj, stem, as_kind = objects[name], name, kind
+            if kind == "per_rank":
+                obj, stem = obj.obj, f"{name}/rank{ctx.rank}"
+                as_kind = _kind(obj)
+            state, _ = _read(fn, directory, manifest, stem)
+            todo.append((as_kind, obj, _prepare(fn, as_kind, obj, state)))
+            if kind == "module":
+                grads.append((obj, _read_grads(fn, ctx, directory, manifest, name, obj)))
+        if plan.dcp_models:
+            _verify_dcp(fn, directory, manifest)
+        rng = _read_rng(fn, ctx, directory, manifest)
+    except FileNotFoundError as err:
+        if directory.is_dir():
+            raise FileNotFoundError(
+                f"{fn}: {str(directory)!r} lacks {err.filename!r}, which its manifest lists; "
+                "the checkpoint is incomplete. Load an earlier checkpoint."
+            ) from err
+        raise FileNotFoundError(
+            f"{fn}: {str(directory)!r} was deleted while it was read: a newer save rotated it "
+            "away. Call accel.latest_checkpoint(root) again and load that one."
+        ) from err
+    for kind, obj, state in todo:
+        _apply(kind, obj, state)
+    for model, saved in grads:
+        _apply_grads(model, saved)
     if plan.dcp_models:
-        _verify_dcp(fn, directory, manifest)
         models = dict(plan.dcp_models)
         _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
-    _restore_rng(fn, ctx, directory, manifest)
+    if rng is None:
+        warnings.warn(
+            f"{fn}: {str(directory)!r} was saved by {manifest.get('world_size')} ranks and has "
+            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state.",
+            stacklevel=3,
+        )
+    else:
+        set_rng_state(rng)
     return manifest
+
+
+def _read_grads(
+    fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any], name: str, model: Any
+) -> dict[str, torch.Tensor] | None:
+    """This rank's gradients of `model` as saved (None: saved without any), verified."""
+    params = dict(unwrap_model(model).named_parameters())
+    stem = _grad_stem(name, ctx.rank)
+    saved = any(rel.startswith(f"{name}/{GRADS}-rank") for rel in manifest["files"])
+    if saved and manifest.get("world_size") != ctx.world_size:
+        raise ValueError(
+            f"{fn}: {str(directory)!r} holds the gradients {name!r} accumulated on "
+            f"world_size={manifest.get('world_size')} ranks inside an accumulation window, but "
+            f"this run has world_size={ctx.world_size}; each rank's partial sums cannot be "
+            "split another way. Resume at the saved world size, or save after an optimizer step."
+        )
+    if _atomic.expected(manifest, f"{stem}.json") is None:
+        return None
+    grads, _ = _read(fn, directory, manifest, stem)
+    unknown = sorted(set(grads) - set(params))
+    if unknown:
+        raise ValueError(
+            f"{fn}: {str(directory / stem)!r} holds gradients of parameters {unknown[:5]} that "
+            f"{name!r} does not have; load it into the model it was saved from."
+        )
+    return dict(grads)
+
+
+def _apply_grads(model: Any, grads: dict[str, torch.Tensor] | None) -> None:
+    """Give the model the gradients it had when saved: this rank's sums, or none."""
+    for n, p in unwrap_model(model).named_parameters():
+        g = None if grads is None else grads.get(n)  # saved without: stale ones must not survive
+        if g is None:
+            p.grad = None
+        elif p.grad is not None and p.grad.shape == g.shape:
+            p.grad.copy_(g)  # keep the tensor DDP may use as a bucket view
+        else:
+            p.grad = g.to(device=p.device, dtype=p.dtype)
 
 
 def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
@@ -267,21 +383,13 @@ def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
                 )
 
 
-def _restore_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> None:
-
+def _read_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> Any:
     stem = f"{RNG}/rank{ctx.rank}"
     if _atomic.expected(manifest, f"{stem}.json") is None:
-        import warnings
-
-        warnings.warn(
-            f"{fn}: {str(directory)!r} was saved by {manifest.get('world_size')} ranks and has "
-            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state.",
-            stacklevel=3,
-        )
-        return
+        return None
     state, _ = _read(fn, directory, manifest, stem)
     # torch.set_rng_state reads a view's storage from offset 0: give it tensors of their own.
-    set_rng_state(_own_memory(state))
+    return _own_memory(state)
 
 
 def _own_memory(tree: Any) -> Any:

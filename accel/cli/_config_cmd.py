@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
             config = _config.load_config(path)
         print(yaml.safe_dump(_config.as_mapping(config), sort_keys=False), end="")
         return 0
+    if path.is_dir():
+        raise ValueError(
+            f"config_file={str(path)!r} is a folder, not a file; pass the file to write, e.g. "
+            f"--config_file {path / 'default_config.yaml'}."
+        )
     values = {} if args.default else _questions()
     config = _config.parse_config(values, origin="accel config")  # validate before writing
     path.parent.mkdir(parents=True, exist_ok=True)

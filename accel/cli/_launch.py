@@ -180,6 +180,11 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
             argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
             argv += ["--rdzv-id", f"accel-{endpoint}"]
     if args.log_dir:
+        if Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+            raise ValueError(
+                f"log_dir={args.log_dir!r} is a file, not a folder; pass a folder for the "
+                "workers' logs (it is created if missing)."
+            )
         argv += ["--log-dir", args.log_dir]
     if args.tee:
         argv += ["--tee", args.tee]

@@ -130,7 +130,20 @@ def wrap_model(
             sharding); default `ctx.compile`.
 
     Returns:
-        The model to train.
+        The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
+        applied in place), or a DDP wrapper, and with `compile=True`, `torch.compile`'s
+        module around that.
+
+    Raises:
+        ValueError: for an unknown `strategy`, a model that is already wrapped, options for
+            another strategy, a strategy or plan that contradicts `ctx.parallelism`, a tp plan
+            naming no module or a tp size not dividing a split dimension, a layer class
+            matching nothing, or "fsdp2" without a process group.
+        TypeError: for a `model` that is not an `nn.Module`.
+        NotImplementedError: for DDP combined with tensor parallelism, or offload_params on a
+            CPU run.
+        RuntimeError: for "ddp" when no process group is initialised, or a split world
+            without a DeviceMesh.
 
     Example:
 
@@ -235,6 +248,15 @@ def _fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the module the user built, from inside DDP and `torch.compile` wrappers.
 
+    Wrappers nested in any order are all removed. An FSDP2 model is its own module (sharded in
+    place), so it comes back as it is.
+
+    Args:
+        model: a model, wrapped by `wrap_model` or not.
+
+    Returns:
+        The innermost module; `model` itself when it is not wrapped.
+
     Example:
 
     >>> from accel import RunContext
@@ -255,6 +277,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Raise if `optimizer` holds parameters that FSDP2 wrapping replaced.
 
     `optimizer_step` and `clip_grad_norm_` call this; call it yourself when you step by hand.
+
+    Args:
+        optimizer: the optimizer about to be stepped.
+
+    Raises:
+        ValueError: when it was created before `wrap_model(..., strategy="fsdp2")` and holds
+            the parameters that wrapping replaced.
 
     Example:
 

@@ -272,3 +272,20 @@ def test_exact_resume_in_a_new_process(tmp_path: Path, world_size: int, stop_at:
         assert interrupted["losses"] + resumed[rank]["losses"] == reference["losses"]  # bitwise
         for a, b in zip(resumed[rank]["params"], reference["params"], strict=True):
             assert torch.equal(a, b)
+
+
+def _only_rank_zero_saves(ctx: RunContext, root: str) -> str:
+    if ctx.rank == 1:
+        return "rank 1 never saves"  # and leaves: rank 0's save is waiting on a dead peer
+    try:
+        accel.save_checkpoint(ctx, root, {"model": _mlp()}, step=1)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_rank_missing_from_a_save_is_named_by_the_call(tmp_path: Path) -> None:
+    results = run_world(_only_rank_zero_saves, world_size=2, timeout=TIMEOUT, args=(str(tmp_path),))
+    assert results[0].startswith("save_checkpoint: collective"), results[0]
+    assert accel.latest_checkpoint(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []  # the failed save left no staging folder

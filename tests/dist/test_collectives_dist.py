@@ -229,3 +229,31 @@ def test_mismatched_inputs_raise_on_every_rank_naming_ranks_and_shapes(world: An
         assert "pad_across_processes: the ranks passed different inputs" in res["err_pad"]
         assert "rank 1: * float32[-1, 2]" in res["err_pad"]
         assert res["after_errors"] == list(range(n))
+
+
+def _disagreeing_calls(ctx: RunContext) -> dict[str, str]:
+    big = torch.arange(5001, dtype=torch.float32)  # 20 KiB: past the first round's inline bytes
+    small = torch.arange(4, dtype=torch.float32)
+    out = {}
+    for size, x in (("big", big), ("small", small)):
+        out[f"op_{size}"] = _catch(reduce, ctx, x, op="sum" if ctx.rank == 0 else "max")
+        out[f"src_{size}"] = _catch(broadcast, ctx, x, src=ctx.rank)
+        call = gather if ctx.rank == 0 else reduce
+        out[f"which_{size}"] = _catch(call, ctx, x)
+        out[f"dim_{size}"] = _catch(pad_across_processes, ctx, x.view(1, -1), dim=ctx.rank)
+    out["after"] = str(reduce(ctx, big, op="sum")[:3].tolist())  # the world still works
+    return out
+
+
+def test_ranks_disagreeing_on_op_src_or_collective_all_get_an_error() -> None:
+    results = run_world(_disagreeing_calls, world_size=2, timeout=60)
+    for res in results:
+        for size in ("big", "small"):
+            assert "reduce(op='sum')" in res[f"op_{size}"], res[f"op_{size}"]
+            assert "reduce(op='max')" in res[f"op_{size}"], res[f"op_{size}"]
+            assert "broadcast(src=0)" in res[f"src_{size}"], res[f"src_{size}"]
+            assert "broadcast(src=1)" in res[f"src_{size}"], res[f"src_{size}"]
+            assert "rank 0: gather" in res[f"which_{size}"], res[f"which_{size}"]
+            assert "rank 1: reduce" in res[f"which_{size}"], res[f"which_{size}"]
+            assert "pad_across_processes(dim=1)" in res[f"dim_{size}"], res[f"dim_{size}"]
+        assert res["after"] == "[0.0, 2.0, 4.0]"

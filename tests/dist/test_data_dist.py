@@ -73,6 +73,29 @@ def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     full = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
     full.set_epoch(1)
     res["epoch1"] = [b.tolist() for b in full]
+    res.update(_objects_and_empty_ranks(ctx))
+    return res
+
+
+def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    # decoded text: every real sample's string once, the repeats of the last round dropped
+    texts = accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2))
+    res["objects"] = [s for b in texts for s in accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=texts)]
+    # even_batches=False with fewer batches than ranks: a rank past its last batch takes part
+    # with nothing in each round it lacks
+    for kind in ("objects_sparse", "tensors_sparse"):
+        sparse = accel.shard_loader(ctx, DataLoader(list(range(3)), batch_size=2), even_batches=False)
+        rounds = max(accel.gather_object(ctx, len(sparse)))
+        it, out = iter(sparse), []
+        for _ in range(rounds):
+            b = next(it, None)
+            if b is None:
+                got = accel.gather_for_metrics(ctx, [], loader=sparse)
+            else:
+                got = accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10, loader=sparse)
+            out += got if isinstance(got, list) else got.tolist()
+        res[kind] = out
     return res
 
 
@@ -113,6 +136,19 @@ def test_ranks_disagreeing_on_shapes_raise_on_every_rank(world: tuple[int, str, 
         for k in range(n):
             assert f"rank {k}: * float32[2, {3 + k}]" in res["err_shape"]
         assert res["after_error"] == [2 * k + i for k in range(n) for i in range(2)]
+
+
+def test_python_objects_come_back_once_each_without_repeats(world: tuple[int, str, list[Any]]) -> None:
+    _, _, results = world
+    for res in results:
+        assert res["objects"] == [f"s{i}" for i in range(13)]
+
+
+def test_a_rank_without_a_batch_contributes_nothing(world: tuple[int, str, list[Any]]) -> None:
+    _, _, results = world
+    for res in results:
+        assert res["objects_sparse"] == ["s0", "s1", "s2"]
+        assert res["tensors_sparse"] == [0, 10, 20]
 
 
 def test_early_break_gathers_the_rounds_seen(world: tuple[int, str, list[Any]]) -> None:

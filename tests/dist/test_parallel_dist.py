@@ -137,7 +137,7 @@ def _data_over_dp(ctx: accel.RunContext) -> dict[str, Any]:
     return {
         "batches": batches,
         "gathered": gathered,
-        "num_items": accel.num_items_in_batch(ctx, [labels], ignore_index=-100),
+        "num_items": accel.num_items_in_batch(ctx, [labels], shift=False),
     }
 
 

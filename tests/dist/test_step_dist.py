@@ -78,7 +78,7 @@ def _train(ctx: accel.RunContext, strategy: str, task: str, *, naive: bool = Fal
             (x[start + m * micro : start + (m + 1) * micro], y[start + m * micro : start + (m + 1) * micro])
             for m in range(ctx.grad_accum_steps)
         ]
-        n_items = accel.num_items_in_batch(ctx, [yb for _, yb in window]) if task == "tokens" else 0
+        n_items = accel.num_items_in_batch(ctx, [yb for _, yb in window], shift=False) if task == "tokens" else 0
         for m, (xb, yb) in enumerate(window):
             with accel.accumulate(ctx, model, step * ctx.grad_accum_steps + m) as sync:
                 out = model(xb)

@@ -1,0 +1,40 @@
+"""Bad command-line input to `accel launch` / `accel config`: one line naming it, exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import accel_cli
+
+# Each case: the command line (with {dir}, {file}, {yaml} filled in), the YAML file's text, and
+# what the one-line error must name.
+CASES = {
+    "port_flag": (["launch", "--main_process_port", "70000", "x.py"], "",
+                  "main_process_port=70000"),
+    "port_yaml": (["launch", "--config_file", "{yaml}", "x.py"], "main_process_port: 70000\n",
+                  "main_process_port=70000"),
+    "config_file_dir": (["launch", "--config_file", "{dir}", "x.py"], "", "is a folder"),
+    "monitor_inf": (["launch", "--monitor_interval", "inf", "x.py"], "", "monitor_interval=inf"),
+    "monitor_nan_yaml": (["launch", "--config_file", "{yaml}", "x.py"], "monitor_interval: .nan\n",
+                         "monitor_interval=nan"),
+    "log_dir_file": (["launch", "--log_dir", "{file}", "x.py"], "", "log_dir="),
+    "config_default_dir": (["config", "--default", "--config_file", "{dir}"], "", "is a folder"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_cli_input_is_one_line_naming_it(tmp_path: Path, case: str) -> None:
+    argv, yaml_text, named = CASES[case]
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "c.yaml").write_text(yaml_text)
+    fill = {"{dir}": "adir", "{file}": "afile", "{yaml}": "c.yaml"}
+    out = accel_cli(tmp_path, *[fill.get(a, a) for a in argv])
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr and "ran" not in out.stdout, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert named in out.stderr, out.stderr
+    assert (tmp_path / "afile").read_text() == "not a folder"
