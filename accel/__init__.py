@@ -44,7 +44,9 @@ from accel.config import (
     load_config,
 )
 from accel.context import (
+    Parallelism,
     RunContext,
+    along,
 )
 from accel.data import (
     ShardBatch,
@@ -103,6 +105,7 @@ __all__ = [
     "FSDPOptions",
     "JSONLTracker",
     "LoadResult",
+    "Parallelism",
     "PerRank",
     "RankLogger",
     "RunContext",
@@ -112,6 +115,7 @@ __all__ = [
     "TensorBoardTracker",
     "Tracker",
     "accumulate",
+    "along",
     "any_rank",
     "autocast",
     "broadcast",

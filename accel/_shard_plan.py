@@ -101,7 +101,7 @@ class ShardPlan:
         even_batches: bool = True,
         drop_last: bool = False,
     ) -> Self:
-        """The plan for `ctx`'s rank and world size.
+        """The plan for `ctx`'s data-parallel rank and size (tensor-parallel peers share it).
 
         Example:
 
@@ -109,8 +109,8 @@ class ShardPlan:
         1
         """
         return cls(
-            rank=ctx.rank,
-            world_size=ctx.world_size,
+            rank=ctx.dp_rank,
+            world_size=ctx.dp_size,
             batch_size=batch_size,
             split_batches=split_batches,
             even_batches=even_batches,

@@ -423,8 +423,8 @@ class SplitStream:
         """(batch size, padding batch size or -1) of every rank for this step."""
         if self.plan.world_size == 1:
             return [(size, pad_size)]
-        # The plan's ranks are ctx's (ShardPlan.for_context); when they become the data-parallel
-        # coordinates, this exchange must run on accel.along(ctx, "dp") instead.
+        # self._ctx is the data-parallel context (shard_loader passes along(ctx, "dp")), whose
+        # ranks are the plan's.
         group = require_group(self._ctx, "shard_loader")
         mine = torch.tensor([size, pad_size], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.plan.world_size)]

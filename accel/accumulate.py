@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel._groups import comm_device, named_collective, require_group
-from accel.context import RunContext
+from accel.context import RunContext, along
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
@@ -122,7 +122,7 @@ def _labels(batch: Any) -> torch.Tensor:
 def num_items_in_batch(
     ctx: RunContext, batches: Iterable[Any], *, shift: bool, ignore_index: int = -100
 ) -> int:
-    """Count the labels the loss will score in `batches`, summed over all ranks.
+    """Count the labels the loss will score in `batches`, summed over the data-parallel ranks.
 
     Pass the micro-batches of one optimizer step (label tensors, or dicts with "labels").
     `shift` says which labels the loss scores, and has no default because guessing it wrong
@@ -140,7 +140,7 @@ def num_items_in_batch(
     by `grad_accum_steps` cancel::
 
         n = num_items_in_batch(ctx, window, shift=True)
-        scale = ctx.world_size * ctx.grad_accum_steps / n
+        scale = ctx.dp_size * ctx.grad_accum_steps / n
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                reduction="sum") * scale
 
@@ -170,6 +170,7 @@ def num_items_in_batch(
     >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=False)
     5
     """
+    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same labels
     count = torch.zeros((), dtype=torch.int64)
     for batch in batches:
         labels = _labels(batch)

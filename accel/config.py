@@ -11,6 +11,12 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_SEED`             | `seed`             | int                    |
 | `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
 | `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
+| `ACCEL_DP_REPLICATE_SIZE` | `parallelism`   | int >= 1 or -1 (fill)  |
+| `ACCEL_DP_SHARD_SIZE`    | `parallelism`      | int >= 1 or -1         |
+| `ACCEL_CP_SIZE`          | `parallelism`      | int >= 1 or -1         |
+| `ACCEL_TP_SIZE`          | `parallelism`      | int >= 1 or -1         |
+| `ACCEL_FSDP_<FIELD>`     | `fsdp`             | e.g. `ACCEL_FSDP_LAYER_CLASSES=Block`  |
+| `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast, get_args
 
+from accel._parallelism import FSDPOptions, Parallelism
 from accel._typing import Precision
+from accel.parallel import _accelerate
 
 __all__ = ["Config", "default_config_path", "load_config"]
 
@@ -32,6 +40,16 @@ ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
 ENV_SEED = "ACCEL_SEED"
 ENV_DEVICE = "ACCEL_DEVICE"
 ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
+ENV_COMPILE = "ACCEL_COMPILE"
+ENV_FSDP_PREFIX = "ACCEL_FSDP_"
+ENV_MESH = MappingProxyType(
+    {
+        "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
+        "dp_shard": "ACCEL_DP_SHARD_SIZE",
+        "cp": "ACCEL_CP_SIZE",
+        "tp": "ACCEL_TP_SIZE",
+    }
+)
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
 _DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
@@ -51,9 +69,8 @@ _IGNORED_KEYS = frozenset(
     {
         "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
         "main_training_function", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "tpu_name",
-        "tpu_zone", "commands", "command_file", "dynamo_config", "fsdp_config", "ipex_config",
-        "mpirun_config", "megatron_lm_config", "deepspeed_config", "parallelism_config",
-        "use_mps_device", "same_network",
+        "tpu_zone", "commands", "command_file", "ipex_config", "mpirun_config",
+        "megatron_lm_config", "deepspeed_config", "use_mps_device", "same_network",
     }
 )  # fmt: skip
 
@@ -123,6 +140,19 @@ def _float(key: str, value: Any) -> float:
     return float(value)
 
 
+Section = tuple[tuple[str, Any], ...]
+
+
+def _section(key: str, value: Any) -> Section:
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, list)):  # pairs: a Config turned back into a mapping
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config: {key}={value!r} must be a mapping of keys to values.")
+    return tuple(sorted(value.items()))
+
+
 def _port(key: str, value: Any) -> int | None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
@@ -171,6 +201,12 @@ class Config:
     """Seconds between the agent's checks on its workers."""
     num_cpu_threads_per_process: int | None = None
     """OMP/torch threads per process; None lets torchrun decide."""
+    fsdp_config: Section = ()
+    """Accelerate's `fsdp_config` keys (`fsdp_transformer_layer_cls_to_wrap`, ...), as pairs."""
+    parallelism_config: Section = ()
+    """Accelerate's `parallelism_config` keys (`parallelism_config_tp_size`, ...), as pairs."""
+    dynamo_config: Section = ()
+    """Accelerate's `dynamo_config` keys (`dynamo_backend`, ...), as pairs."""
 
 
 _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
@@ -190,6 +226,9 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "max_restarts": _int(0),
         "monitor_interval": _float,
         "num_cpu_threads_per_process": _optional_int(1),
+        "fsdp_config": _section,
+        "parallelism_config": _section,
+        "dynamo_config": _section,
     }
 )
 assert set(_PARSERS) == {f.name for f in fields(Config)}
@@ -223,7 +262,19 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
             f"{origin}: machine_rank={config.machine_rank} must be below "
             f"num_machines={config.num_machines}."
         )
+    sizes = _parallel_settings(config)[0]  # validate the sections here, not in every worker
+    if sizes is not None:
+        sizes.resolve(config.num_processes)
     return config
+
+
+def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any]:
+    kind = config.distributed_type
+    return (
+        _accelerate.parallelism_of(kind, config.parallelism_config),
+        _accelerate.fsdp_options(kind, config.fsdp_config),
+        _accelerate.compile_mode(config.dynamo_config),
+    )
 
 
 def default_config_path() -> Path:
@@ -244,6 +295,31 @@ def default_config_path() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "accel" / "default_config.yaml"
+
+
+def as_mapping(config: Config) -> dict[str, Any]:
+    """The config as Accelerate's YAML keys, sections as nested mappings (what `accel config`
+    writes).
+
+    Example:
+        >>> as_mapping(Config(fsdp_config=(("fsdp_version", 2),)))["fsdp_config"]
+        {'fsdp_version': 2}
+    """
+    out: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(config)}
+    for name in ("fsdp_config", "parallelism_config", "dynamo_config"):
+        out[name] = dict(out[name])
+    return out
+
+
+def accelerate_config_path() -> Path:
+    """Where Accelerate keeps its default config: `$HF_HOME/accelerate/default_config.yaml`.
+
+    `HF_HOME` defaults to `$XDG_CACHE_HOME/huggingface` (`~/.cache/huggingface`), as in
+    Accelerate; `accel launch` reads this file when accel has no config of its own.
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    home = os.environ.get("HF_HOME") or str(Path(cache) / "huggingface")
+    return Path(home) / "accelerate" / "default_config.yaml"
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -325,7 +401,69 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                     f"init_distributed: {var}={environ[var]!r} must be an integer."
                 ) from None
             found[name] = (number, f"env {var}")
+    mesh_vars = {dim: var for dim, var in ENV_MESH.items() if var in environ}
+    if mesh_vars:
+        sizes = {}
+        for dim, var in mesh_vars.items():
+            try:
+                sizes[dim] = int(environ[var])
+            except ValueError:
+                raise ValueError(
+                    f"init_distributed: {var}={environ[var]!r} must be an integer >= 1 or -1."
+                ) from None
+        source = "env " + ", ".join(mesh_vars.values())
+        found["parallelism"] = (Parallelism(**sizes), source)
+    fsdp_vars = sorted(k for k in environ if k.startswith(ENV_FSDP_PREFIX))
+    if fsdp_vars:
+        found["fsdp"] = (_fsdp_from_env(environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
+    if ENV_COMPILE in environ:
+        text = environ[ENV_COMPILE].lower()
+        if text not in ("false", "true", "regional"):
+            raise ValueError(
+                f"init_distributed: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true "
+                "or regional."
+            )
+        mode = {"false": False, "true": True}.get(text, "regional")
+        found["compile"] = (mode, f"env {ENV_COMPILE}")
     return found
+
+
+def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
+    known = {f.name: f.type for f in fields(FSDPOptions)}
+    values: dict[str, Any] = {}
+    for var in names:
+        name = var.removeprefix(ENV_FSDP_PREFIX).lower()
+        text = environ[var]
+        if name not in known:
+            raise ValueError(
+                f"init_distributed: {var} names no FSDPOptions field; expected "
+                f"{ENV_FSDP_PREFIX}<one of {sorted(known)}> (upper case)."
+            )
+        if name == "layer_classes":
+            values[name] = tuple(n.strip() for n in text.split(",") if n.strip())
+        elif name.endswith("_dtype"):
+            values[name] = text
+        elif text.lower() in ("true", "false"):
+            values[name] = text.lower() == "true"
+        else:
+            raise ValueError(f"init_distributed: {var}={text!r} must be true or false.")
+    return FSDPOptions(**values)
+
+
+def fsdp_environment(options: FSDPOptions) -> dict[str, str]:
+    """The `ACCEL_FSDP_*` variables that carry `options` to `init_distributed` in a worker."""
+    env: dict[str, str] = {}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name == "layer_classes":
+            text = ",".join(c if isinstance(c, str) else c.__name__ for c in value)
+        elif f.name.endswith("_dtype"):
+            text = "" if value is None else str(value).removeprefix("torch.")
+        else:
+            text = str(value).lower()
+        if text:
+            env[ENV_FSDP_PREFIX + f.name.upper()] = text
+    return env
 
 
 def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
@@ -336,4 +474,11 @@ def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     }
     if config.seed is not None:
         found["seed"] = (config.seed, source)
+    sizes, fsdp, compile = _parallel_settings(config)
+    if sizes is not None:
+        found["parallelism"] = (sizes, source)
+    if fsdp is not None:
+        found["fsdp"] = (fsdp, source)
+    if compile:
+        found["compile"] = (compile, source)
     return found

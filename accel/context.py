@@ -12,9 +12,10 @@ from typing import Any, get_args
 import torch
 from typing_extensions import Self
 
+from accel._parallelism import MESH_DIMS, CompileMode, FSDPOptions, MeshDim, Parallelism
 from accel._typing import Backend, Precision
 
-__all__ = ["RunContext"]
+__all__ = ["Parallelism", "RunContext", "along"]
 
 
 _CPU = torch.device("cpu")
@@ -87,6 +88,17 @@ class RunContext:
     """The torch.distributed ProcessGroup collectives run on. None means torch's default group
     (as `group=None` does in torch.distributed), which is what `init_distributed` and
     `run_world` use; pass a sub-group (held by reference) to run on part of the world."""
+    parallelism: Parallelism | None = None
+    """Sizes of the mesh dimensions (a -1 is filled from world_size). None: pure data
+    parallelism, every rank a replica (dp_replicate = world_size)."""
+    mesh: Any = None
+    """The torch DeviceMesh of `parallelism` (held by reference), its dimensions named after
+    the sizes > 1; `init_distributed(parallelism=...)` builds it. None for plain data
+    parallelism and for hand-built contexts (the coordinates below need no mesh)."""
+    fsdp: FSDPOptions | None = None
+    """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
+    compile: CompileMode = False
+    """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
 
@@ -113,6 +125,17 @@ class RunContext:
             raise TypeError(
                 f"RunContext: device={self.device!r} must be a torch.device or a string such as "
                 "'cpu' or 'cuda:0'."
+            )
+        if self.parallelism is not None:
+            if not isinstance(self.parallelism, Parallelism):
+                raise TypeError(
+                    f"RunContext: parallelism={self.parallelism!r} must be an "
+                    "accel.Parallelism, e.g. Parallelism(dp_shard=2, tp=2)."
+                )
+            object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
+        if self.compile not in (False, True, "regional"):
+            raise ValueError(
+                f"RunContext: compile={self.compile!r} must be False, True or 'regional'."
             )
         if not isinstance(self.sources, MappingProxyType):
             object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
@@ -144,6 +167,36 @@ class RunContext:
         """True when the run has more than one process."""
         return self.world_size > 1
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (dp_replicate x dp_shard)."""
+        return _coordinate(self, "dp")[0]
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data; tensor- and context-parallel peers share theirs."""
+        return _coordinate(self, "dp")[1]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group."""
+        return _coordinate(self, "tp")[0]
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks each tensor-parallel layer is split over."""
+        return _coordinate(self, "tp")[1]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group."""
+        return _coordinate(self, "cp")[0]
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks a sequence is split over."""
+        return _coordinate(self, "cp")[1]
+
     def describe(self) -> str:
         """Return every effective setting, one a line, with where its value came from.
 
@@ -161,7 +214,106 @@ class RunContext:
             value = getattr(self, f.name)
             if f.name == "process_group" and value is not None:
                 value = f"<{type(value).__name__}>"
+            elif f.name == "mesh" and value is not None:
+                dims = zip(value.mesh_dim_names or (), value.shape, strict=True)
+                value = f"<DeviceMesh {' x '.join(f'{n}={s}' for n, s in dims)}>"
             shown = str(value) if isinstance(value, str) and value.startswith("<") else repr(value)
             source = self.sources.get(f.name, "constructed")
             lines.append(f"{f.name:<16} = {shown}  ({source})")
         return "\n".join(lines)
+
+
+def _sizes(ctx: RunContext) -> tuple[int, int, int, int]:
+    if ctx.parallelism is None:
+        return (ctx.world_size, 1, 1, 1)
+    return ctx.parallelism.sizes
+
+
+def _coordinate(ctx: RunContext, dim: str) -> tuple[int, int]:
+    """(index along `dim`, size of `dim`) for ctx.rank, row-major over the mesh dimensions."""
+    sizes = _sizes(ctx)
+    if dim == "dp":
+        (rep, rep_n), (shard, shard_n) = (
+            _coordinate(ctx, "dp_replicate"),
+            _coordinate(ctx, "dp_shard"),
+        )
+        return rep * shard_n + shard, rep_n * shard_n
+    axis = MESH_DIMS.index(dim)
+    inner = 1
+    for size in sizes[axis + 1 :]:
+        inner *= size
+    return (ctx.rank // inner) % sizes[axis], sizes[axis]
+
+
+def _submesh(ctx: RunContext, dim: str) -> Any:
+    key = dim
+    if dim == "dp":  # flattened only when both parts are > 1; otherwise it is the one that is
+        rep, shard = _sizes(ctx)[:2]
+        key = "dp" if rep > 1 and shard > 1 else ("dp_shard" if shard > 1 else "dp_replicate")
+    try:
+        return ctx.mesh[key]
+    except (KeyError, RuntimeError) as err:
+        raise RuntimeError(
+            f"along: dim={dim!r} (size {_coordinate(ctx, dim)[1]}) has no group in the "
+            f"context's mesh={ctx.mesh!r}. Build the context with "
+            "accel.init_distributed(parallelism=...) (or run_world(..., parallelism=...))."
+        ) from err
+
+
+def along(ctx: RunContext, dim: MeshDim) -> RunContext:
+    """Return the context of one mesh dimension: its coordinates and its process group.
+
+    The result's `rank` and `world_size` (and `local_rank`, `local_world_size`) are this rank's
+    index along `dim` and the size of `dim`; its `process_group` is that dimension's group, so
+    every collective works on it unchanged: `accel.reduce(along(ctx, "dp"), loss, op="mean")`
+    averages over the ranks that saw different data. Dimensions: "dp" (dp_replicate x
+    dp_shard), "dp_replicate", "dp_shard", "cp", "tp".
+
+    Args:
+        ctx: a context, from `init_distributed(parallelism=...)` when collectives will run on
+            a dimension smaller than the world.
+        dim: the mesh dimension.
+
+    Returns:
+        A context whose world is the ranks that differ from this one only along `dim`.
+
+    A hand-built context without a mesh gets the coordinates and `process_group=None`;
+    collectives on it then fail, naming the mismatch, unless the dimension spans the world.
+
+    Raises:
+        ValueError: for an unknown `dim`.
+
+    Example:
+        >>> ctx = RunContext(rank=3, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
+        >>> along(ctx, "tp").rank, along(ctx, "dp").rank, ctx.dp_size
+        (1, 1, 2)
+    """
+    if dim not in ("dp", *MESH_DIMS):
+        raise ValueError(
+            f"along: dim={dim!r} is not a mesh dimension; expected one of {('dp', *MESH_DIMS)}."
+        )
+    rank, size = _coordinate(ctx, dim)
+    sources = {**ctx.sources, "rank": f"along {dim!r}", "world_size": f"along {dim!r}"}
+    if size == ctx.world_size and ctx.parallelism is None:
+        return ctx  # pure data parallelism: "dp" is the context itself (no copy per call)
+    if size == ctx.world_size:  # the whole world: same ranks, same group
+        mesh = ctx.mesh if ctx.mesh is None or ctx.mesh.ndim == 1 else _submesh(ctx, dim)
+        return dataclasses.replace(ctx, parallelism=None, mesh=mesh, sources=sources)
+    group, mesh, backend = None, None, None
+    if size > 1 and ctx.mesh is not None:
+        mesh = _submesh(ctx, dim)
+        group, backend = mesh.get_group(), ctx.backend
+    return dataclasses.replace(
+        ctx,
+        rank=rank,
+        local_rank=rank,
+        world_size=size,
+        local_world_size=size,
+        node_rank=0,
+        num_nodes=1,
+        backend=backend,
+        process_group=group,
+        parallelism=None,
+        mesh=mesh,
+        sources=sources,
+    )

@@ -25,7 +25,7 @@ from accel._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_in
 from accel._stream import DISPATCH_NEEDS_STREAM, describe, open_stream, warn_reread
 from accel._tree import flatten, send_to_device, unflatten
 from accel.collectives import _pad, gather_leaves, gather_parts
-from accel.context import RunContext
+from accel.context import RunContext, along
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
 
@@ -72,7 +72,9 @@ class ShardedLoader:
         self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
         self._table: tuple[int, list[list[ShardBatch]]] | None = None
         # Iterable streams that split, or are dispatched, go to accel._stream; others below.
-        opened = open_stream(ctx, loader, plan, dispatch_batches) if self._iterable else None
+        # They talk over the data-parallel group: tensor-parallel peers read the same part.
+        dp = along(ctx, "dp")
+        opened = open_stream(dp, loader, plan, dispatch_batches) if self._iterable else None
         self._stream, self._stream_reason = opened or (None, "")
 
     # -- the plan for an epoch ---------------------------------------------------------------
@@ -456,6 +458,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             f"{fn}: loader={type(loader).__name__} is not a ShardedLoader; pass "
             "the loader returned by shard_loader, which knows which samples are repeats."
         )
+    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
     if loader._pass_over:  # past this rank's last batch: others are in a round it has no part in
         return _join_without_batch(ctx, tree, loader)
     layout = loader._layout

@@ -25,7 +25,8 @@ from accel._exit import die_with_parent, register_exit_guard
 from accel._groups import barrier, comm_device, named_collective, require_group
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._typing import Backend, Precision
-from accel.context import RunContext, default_device
+from accel.context import Parallelism, RunContext, default_device
+from accel.parallel._mesh import with_mesh
 
 __all__ = [
     "any_rank",
@@ -95,6 +96,7 @@ def init_distributed(
     *,
     precision: Precision | None = None,
     grad_accum_steps: int | None = None,
+    parallelism: Parallelism | None = None,
     backend: Backend | None = None,
     device: str | torch.device | None = None,
     timeout: float | timedelta | None = None,
@@ -112,6 +114,9 @@ def init_distributed(
             else "fp32".
         grad_accum_steps: micro-batches per optimizer step; None takes the launcher's or
             config's, else 1.
+        parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the
+            `DeviceMesh` is built when the world is split. None takes the launcher's or
+            config's, else every rank is a replica.
         backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise.
         device: the device to use; by default this local rank's GPU, else mps, else cpu.
         timeout: seconds (or a timedelta) a collective may wait before it fails; default 30
@@ -137,9 +142,14 @@ def init_distributed(
     wait = _as_timeout(timeout)
     _check_seed(seed)
     launch = parse_launch_env(os.environ)
+    if parallelism is not None and not isinstance(parallelism, Parallelism):
+        raise TypeError(
+            f"init_distributed: parallelism={parallelism!r} must be an accel.Parallelism, e.g. "
+            "Parallelism(dp_shard=2, tp=2)."
+        )
     arguments = {
         "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,
-        "device": device,
+        "device": device, "parallelism": parallelism,
     }  # fmt: skip
     settings = _resolve(arguments, os.environ, config)
     if "device" in settings:
@@ -164,7 +174,7 @@ def init_distributed(
         "timeout": "argument" if timeout is not None else "default",
         "process_group": "default group" if launch.world_size > 1 else "default",
     }
-    return RunContext(
+    ctx = RunContext(
         rank=launch.rank,
         local_rank=launch.local_rank,
         world_size=launch.world_size,
@@ -177,8 +187,14 @@ def init_distributed(
         grad_accum_steps=settings["grad_accum_steps"][0],
         seed=settings["seed"][0],
         timeout=wait,
+        fsdp=settings.get("fsdp", (None, ""))[0],
+        compile=settings.get("compile", (False, ""))[0],
         sources=sources,
     )
+    if "parallelism" not in settings:
+        return ctx
+    chosen_sizes, source = settings["parallelism"]
+    return with_mesh(ctx, chosen_sizes, source=source)
 
 
 def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:

@@ -13,8 +13,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext
 from accel.parallel import check_optimizer
 from accel.parallel._dtensor import is_dtensor
@@ -63,6 +65,9 @@ def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
 
 def make_scaler(ctx: RunContext) -> GradScaler | None:
     """Make a `torch.amp.GradScaler` for fp16 (CUDA or CPU); None for fp32 and bf16.
+
+    Works under DDP, FSDP2 and tensor parallelism: `optimizer_step` and `clip_grad_norm_`
+    make the ranks agree on whether any gradient shard holds inf or nan, so all skip together.
 
     The scaler is training state: you hold it, and `save_state` checkpoints it.
 
@@ -119,7 +124,7 @@ def scaled_backward(
 
 
 def _unscale_before_clip(
-    fn: str, optimizer: torch.optim.Optimizer | None, scaler: GradScaler | None
+    ctx: RunContext, fn: str, optimizer: torch.optim.Optimizer | None, scaler: GradScaler | None
 ) -> None:
     """Unscale the gradients once per step before clipping them (fp16; nothing without a scaler)."""
     if scaler is None:
@@ -130,16 +135,65 @@ def _unscale_before_clip(
             "are unscaled before clipping."
         )
     check_optimizer(optimizer)
-    _unscale_once(scaler, optimizer)
+    _unscale_once(ctx, scaler, optimizer)
 
 
-def _unscale_once(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+def _unscale_once(ctx: RunContext, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    if scaler.is_enabled() and _has_dtensor(optimizer):
+        _unscale_sharded(ctx, scaler, optimizer)
+        return
     try:
         scaler.unscale_(optimizer)
     except RuntimeError as err:
         # GradScaler refuses a second unscale_ before update(); the gradients are unscaled.
         if "unscale_() has already been called" not in str(err):
             raise
+
+
+def _unscale_sharded(ctx: RunContext, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """GradScaler.unscale_ for sharded (DTensor) gradients, with found-inf agreed by all ranks.
+
+    GradScaler checks each rank's own shard only, so ranks could disagree (one skips the step,
+    another takes it) and it cannot take plain and DTensor gradients in one call (tensor
+    parallelism leaves norms and embeddings plain). So the local shards are unscaled here,
+    the inf/nan flag is all-reduced over the world, and the result is recorded where
+    step()/update() read it: GradScaler's per-optimizer state (private, unchanged since
+    torch 1.6; ShardedGradScaler writes the same fields).
+    """
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        return
+    if state["stage"] is OptState.STEPPED:
+        raise RuntimeError("optimizer_step: unscale_() is being called after step().")
+    assert scaler._scale is not None  # set by the first scale() call
+    inv_scale = scaler._scale.double().reciprocal().float()
+    found = torch.zeros(1, device=scaler._scale.device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
+                by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), grads in by_kind.items():
+        found_here = found.to(device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv_scale.to(device))
+        found = torch.maximum(found, found_here.to(found.device))
+    flag = found.to(comm_device(ctx))
+    if ctx.world_size > 1:
+        with named_collective(ctx, "optimizer_step"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=require_group(ctx, "optimizer_step"))
+    state["found_inf_per_device"] = {found.device: flag.to(found.device)}
+    state["stage"] = OptState.UNSCALED
+
+
+def _has_dtensor(optimizer: torch.optim.Optimizer) -> bool:
+    return any(
+        is_dtensor(p) and p.grad is not None
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
 
 
 def optimizer_step(
@@ -179,13 +233,14 @@ def optimizer_step(
         optimizer.step()
         return True
     before = scaler.get_scale()
+    _unscale_once(ctx, scaler, optimizer)
     scaler.step(optimizer)
     scaler.update()
     # update() multiplies the scale by backoff_factor (< 1) exactly when inf/nan was found.
     return not scaler.get_scale() < before
 
 
-def _grads_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def _with_grads(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     params = model.parameters() if isinstance(model, nn.Module) else model
     return [p for p in params if p.grad is not None]
 
@@ -203,8 +258,9 @@ def clip_grad_norm_(
 
     In fp16 pass `optimizer` and `scaler`: gradients are unscaled first, once per step (the
     following `optimizer_step` does not unscale again). Under DDP gradients are already
-    averaged; under FSDP2 the norm is computed over all shards, so every rank gets the global
-    norm. Call it on sync steps only (inside `accumulate`, when `sync` is True).
+    averaged; under FSDP2, tensor parallelism and their mixes (parameters on several meshes)
+    the norm is computed over all shards, so every rank gets the global norm. Call it on sync
+    steps only (inside `accumulate`, when `sync` is True).
 
     Args:
         ctx: the run context; with no gradients at all, the zero norm is put on `ctx.device`.
@@ -230,12 +286,39 @@ def clip_grad_norm_(
     >>> clip_grad_norm_(RunContext.single(), [w], 1.0).item(), w.grad.norm().item() < 1.0
     (5.0, True)
     """
-    _unscale_before_clip("clip_grad_norm_", optimizer, scaler)
-    grads = _grads_of(model)
-    if not grads:
+    _unscale_before_clip(ctx, "clip_grad_norm_", optimizer, scaler)
+    params = _with_grads(model)
+    if not params:
         return torch.zeros((), device=ctx.device)
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
-    return norm.full_tensor() if is_dtensor(norm) else norm  # a DTensor norm under FSDP2
+    groups = _by_mesh(params)
+    if len(groups) == 1:  # one mesh (or plain tensors): torch's own call does it all
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return _full(norm)
+    # Parameters on different meshes (tensor-parallel layers on (dp_shard, tp), the rest on
+    # dp_shard): DTensor cannot stack their norms, so each mesh's norm is made whole and the
+    # parts combined, as torchtitan does for its mixed meshes.
+    parts = [_full(torch.nn.utils.get_total_norm(_grads(g), norm_type)) for g in groups]
+    stacked = torch.stack([q.to(parts[0].device) for q in parts])
+    total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+    for g in groups:
+        torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(g[0].device))
+    return total
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    # A DTensor norm holds partial sums per shard; full_tensor() makes it the global one.
+    return norm.full_tensor() if is_dtensor(norm) else norm
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [q.grad for q in params if q.grad is not None]
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for q in params:
+        groups.setdefault(getattr(q, "device_mesh", None), []).append(q)
+    return list(groups.values())
 
 
 def clip_grad_value_(
@@ -270,6 +353,6 @@ def clip_grad_value_(
     >>> w.grad
     tensor([ 1.0000, -0.5000])
     """
-    _unscale_before_clip("clip_grad_value_", optimizer, scaler)
+    _unscale_before_clip(ctx, "clip_grad_value_", optimizer, scaler)
     params = model.parameters() if isinstance(model, nn.Module) else model
     torch.nn.utils.clip_grad_value_(list(params), clip_value)

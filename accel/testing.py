@@ -26,7 +26,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from accel.context import RunContext
+from accel.context import Parallelism, RunContext
+from accel.parallel._mesh import with_mesh
 
 __all__ = ["RemoteTraceback", "run_world"]
 
@@ -46,6 +47,7 @@ def _worker(
     timeout_s: float,
     args: Sequence[Any],
     outdir: str,
+    parallelism: Parallelism | None,
 ) -> None:
     # A process group of its own: killing the rank at the deadline takes the DataLoader workers
     # (and any other children) it started with it.
@@ -69,6 +71,8 @@ def _worker(
         backend="gloo", timeout=timeout, sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
+        if parallelism is not None:
+            ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
         result = fn(ctx, *args)
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the
@@ -104,6 +108,7 @@ def run_world(
     world_size: int = 2,
     timeout: float = 60,
     args: Sequence[Any] = (),
+    parallelism: Parallelism | None = None,
 ) -> list[Any]:
     """Call `fn(ctx, *args)` in `world_size` spawned processes over gloo; return their results.
 
@@ -116,6 +121,8 @@ def run_world(
         timeout: seconds the whole world may take; then every process is killed, with the
             DataLoader workers (and any other children) the ranks started.
         args: extra positional arguments for `fn` (picklable).
+        parallelism: mesh sizes; each rank's `ctx` then carries them and their `DeviceMesh`,
+            as `init_distributed(parallelism=...)` gives them.
 
     Returns:
         The return values of `fn`, in rank order.
@@ -141,7 +148,7 @@ def run_world(
         procs = [
             spawn.Process(
                 target=_worker,
-                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir),
+                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir, parallelism),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below
                 # kills what is left of every rank, children included.

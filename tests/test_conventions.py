@@ -181,6 +181,7 @@ SHARED_PRIVATE = frozenset(
         "_exit",
         "_groups",
         "_launcher",
+        "_parallelism",
         "_shard_plan",
         "_size",
         # _stream and _stream_dispatch belong to data (iterable datasets split across ranks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"Config in force: {path}")
             config = _config.load_config(path)
-        print(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), end="")
+        print(yaml.safe_dump(_config.as_mapping(config), sort_keys=False), end="")
         return 0
     if path.is_dir():
         raise ValueError(
@@ -85,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
     values = {} if args.default else _questions()
     config = _config.parse_config(values, origin="accel config")  # validate before writing
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    path.write_text(yaml.safe_dump(_config.as_mapping(config), sort_keys=False))
     print(f"accel config written to {path}")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import socket
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 from accel import config as _config
 from accel.cli._args import add_flag
+from accel.parallel import _accelerate
 
 # Flags that override a config key of the same name, and their types.
 _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
@@ -59,6 +61,7 @@ def add_parser(commands: Any) -> None:
         type=int, help=argparse.SUPPRESS,
     )  # fmt: skip
     add_flag(parser, "use_cpu", action="store_true", default=None, help="ignore GPUs")
+    _add_parallel_flags(parser)
     add_flag(parser, "log_dir", default=None, help="write each worker's output under this folder")
     add_flag(
         parser, "tee", default=None, choices=("0", "1", "2", "3"),
@@ -70,11 +73,53 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+# Flags that fill Accelerate's nested sections, spelled as its `accelerate launch` flags.
+_SECTION_FLAGS = (
+    ("fsdp_config", _accelerate.FSDP_KEYS),
+    ("parallelism_config", _accelerate.PARALLELISM_KEYS),
+    ("dynamo_config", _accelerate.DYNAMO_KEYS),
+)
+
+
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    for section, keys in _SECTION_FLAGS:
+        for key in keys:
+            add_flag(parser, key, default=None, help=f"Accelerate's {section} key {key}")
+    add_flag(parser, "tp_size", type=int, default=None, help="tensor-parallel size")
+    add_flag(parser, "use_fsdp", action="store_true", default=None, help="shard with FSDP2")
+    add_flag(
+        parser, "use_parallelism_config", action="store_true", default=None,
+        help="accepted for Accelerate; the parallelism_config_* flags set the mesh",
+    )  # fmt: skip
+    add_flag(parser, "multi_gpu", action="store_true", default=None, help="distributed on GPUs")
+    add_flag(parser, "cpu", action="store_true", default=None, help="same as --use_cpu")
+
+
+def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> None:
+    flag = functools.partial(getattr, args)  # `accel test` shares resolve_config, not the flags
+    if flag("use_fsdp", None):
+        merged["distributed_type"] = "FSDP"
+    elif flag("multi_gpu", None):
+        merged["distributed_type"] = "MULTI_GPU"
+    if flag("cpu", None):
+        merged["use_cpu"] = True
+    overrides = {"parallelism_config_tp_size": flag("tp_size", None)}
+    for section, keys in _SECTION_FLAGS:
+        values = dict(merged.get(section) or ())
+        for key in keys:
+            value = flag(key, None) if overrides.get(key) is None else overrides[key]
+            if value is not None:
+                values[key] = value
+        merged[section] = values
+
+
 def resolve_config(args: argparse.Namespace) -> _config.Config:
     """Merge the config file (explicit, else the default path if present) and the flags."""
     path = args.config_file
     if path is None and _config.default_config_path().is_file():
         path = _config.default_config_path()
+    elif path is None and _config.accelerate_config_path().is_file():
+        path = _config.accelerate_config_path()  # a migrating user's `accelerate config` output
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
     for name, *_ in _OVERRIDES:
@@ -82,6 +127,7 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
             merged[name] = getattr(args, name)
     if args.use_cpu:
         merged["use_cpu"] = True
+    _merge_parallel_flags(args, merged)
     return _config.parse_config(merged, origin="accel launch")
 
 
@@ -181,6 +227,14 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
     if config.num_cpu_threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
+    settings = _config.config_settings(config, "launch")
+    if "parallelism" in settings:
+        sizes = settings["parallelism"][0]
+        env |= {var: str(getattr(sizes, dim)) for dim, var in _config.ENV_MESH.items()}
+    if "fsdp" in settings:
+        env |= _config.fsdp_environment(settings["fsdp"][0])
+    if "compile" in settings:
+        env[_config.ENV_COMPILE] = str(settings["compile"][0]).lower()
     return env
 
 

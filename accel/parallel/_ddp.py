@@ -23,10 +23,14 @@ class DDPOptions:
     static_graph: bool = False
 
 
-def apply_ddp(ctx: RunContext, model: nn.Module, options: DDPOptions) -> nn.Module:
+def apply_ddp(
+    ctx: RunContext, model: nn.Module, options: DDPOptions, *, group: Any = None
+) -> nn.Module:
+    """Wrap `model` in DDP over `group` (a mesh dimension's), else the context's group."""
     from torch.nn.parallel import DistributedDataParallel
 
-    group = require_group(ctx, "wrap_model")
+    if group is None:
+        group = require_group(ctx, "wrap_model")
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # Pass only what differs from DDP's defaults, so a renamed option warns only when used.
     defaults = DDPOptions()

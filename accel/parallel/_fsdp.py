@@ -1,49 +1,32 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) application for `wrap_model`."""
+"""FSDP2 (`fully_shard`), activation checkpointing and regional compile for `wrap_model`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import functools
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from accel._groups import require_group
+from accel._parallelism import FSDPOptions
 from accel.context import RunContext
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# Attribute set on parameters that FSDP2 replaced by sharded ones: an optimizer still holding
-# them would update tensors the model no longer uses.
+# Attribute set on parameters that FSDP2 or tensor parallelism replaced: an optimizer still
+# holding them would update tensors the model no longer uses.
 REPLACED = "_accel_replaced_by_fsdp2"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FSDPOptions:
-    """How `fully_shard` is applied.
-
-    `layer_classes`: every submodule of these classes becomes its own FSDP2 unit (the usual
-    per-transformer-block policy), sharded before the root. `reshard_after_forward`: free the
-    gathered parameters after forward (less memory, one more all-gather in backward).
-    """
-
-    layer_classes: tuple[type[nn.Module], ...] = ()
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        bad = [
-            c for c in self.layer_classes if not (isinstance(c, type) and issubclass(c, nn.Module))
-        ]
-        if bad:
-            raise ValueError(
-                f"FSDPOptions: layer_classes contains {bad!r}; pass nn.Module subclasses, e.g. "
-                "layer_classes=(TransformerBlock,)."
-            )
+_PRECISION_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
-def _mesh(ctx: RunContext) -> DeviceMesh:
+def world_mesh(ctx: RunContext) -> DeviceMesh:
+    """A 1-D mesh over the context's whole group (FSDP2 without a `Parallelism`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if ctx.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
@@ -58,40 +41,102 @@ def _mesh(ctx: RunContext) -> DeviceMesh:
     return DeviceMesh.from_group(group, ctx.device.type)
 
 
-def apply_fsdp2(ctx: RunContext, model: nn.Module, options: FSDPOptions) -> nn.Module:
-    """Shard each `options.layer_classes` module, then the root, on ctx's devices."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def layer_modules(model: nn.Module, classes: tuple[type[nn.Module] | str, ...]) -> list[nn.Module]:
+    """The submodules of `model` whose class is in `classes` (classes or class names).
 
-    if ctx.precision == "fp16":
-        raise NotImplementedError(
-            "wrap_model: strategy='fsdp2' with precision='fp16' is not supported: "
-            "torch.amp.GradScaler cannot check DTensor gradients for inf across shards. "
-            "Use precision='bf16' (no scaler needed) or strategy='ddp'."
-        )
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if ctx.precision == "bf16"
-        else MixedPrecisionPolicy()
+    Raises naming each class (or name) that matches nothing: a policy that wraps nothing would
+    leave the whole model one unit, silently.
+    """
+    found = [m for m in model.modules() if m is not model and _is_layer(m, classes)]
+    for c in classes:
+        if not any(_is_layer(m, (c,)) for m in found):
+            shown = c if isinstance(c, str) else c.__name__
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"wrap_model: layer class {shown!r} matches no submodule of "
+                f"{type(model).__name__}; its module classes are {present}. Name the class of "
+                "the repeated block, e.g. FSDPOptions(layer_classes=('LlamaDecoderLayer',))."
+            )
+    return found
+
+
+def _is_layer(module: nn.Module, classes: tuple[type[nn.Module] | str, ...]) -> bool:
+    return any(
+        type(module).__name__ == c if isinstance(c, str) else isinstance(module, c) for c in classes
     )
-    originals = list(model.parameters())
-    model.to(ctx.device)
-    mesh = _mesh(ctx)
-    layers = [m for m in model.modules() if m is not model and isinstance(m, options.layer_classes)]
-    for layer in layers:
-        fully_shard(
-            layer,
-            mesh=mesh,
-            reshard_after_forward=options.reshard_after_forward,
-            mp_policy=policy,
-        )
-    fully_shard(
-        model,
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of every nn.ModuleList whose members share one class (transformer blocks)."""
+    blocks: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1:
+            blocks.extend(m)
+    return blocks
+
+
+def checkpoint_activations(blocks: list[nn.Module]) -> None:
+    """Recompute each block's forward in backward (non-reentrant `torch.utils.checkpoint`).
+
+    The block's own `forward` is replaced on the instance, so parameter names, state dicts and
+    hooks registered on the block (FSDP2's unshard) stay as they were, outside the region.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """`torch.compile` each block in place (`nn.Module.compile`): one graph, reused per block."""
+    for block in blocks:
+        block.compile()
+
+
+def mixed_precision(ctx: RunContext, options: FSDPOptions) -> Any:
+    """FSDP2's MixedPrecisionPolicy: options first, else from ctx.precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = options.param_dtype or _PRECISION_DTYPES.get(ctx.precision)
+    reduce = options.reduce_dtype
+    if reduce is None and param is not None and param != torch.float32:
+        reduce = torch.float32  # reduce gradients in full precision: sums of many lose bits
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def sync_module_states(model: nn.Module, group: Any) -> None:
+    """Broadcast rank 0's parameters and buffers over `group` (Accelerate's sync_module_states)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def apply_fsdp2(
+    ctx: RunContext,
+    model: nn.Module,
+    options: FSDPOptions,
+    mesh: DeviceMesh,
+    *,
+    layers: list[nn.Module],
+) -> nn.Module:
+    """Shard each layer module, then the root, over `mesh` (1-D FSDP, 2-D HSDP)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    shard: Any = functools.partial(
+        fully_shard,
         mesh=mesh,
         reshard_after_forward=options.reshard_after_forward,
-        mp_policy=policy,
+        mp_policy=mixed_precision(ctx, options),
+        offload_policy=CPUOffloadPolicy() if options.offload_params else OffloadPolicy(),
     )
-    current = {id(p) for p in model.parameters()}
-    for p in originals:
-        if id(p) not in current:
-            setattr(p, REPLACED, True)
+    for layer in layers:
+        shard(layer)
+    shard(model)
     return model

@@ -1,0 +1,169 @@
+"""Accelerate's `fsdp_config`, `parallelism_config` and `dynamo_config`, as accel's settings.
+
+Each key is honoured (mapped to `FSDPOptions`, `Parallelism` or the compile mode) or refused
+by name with the reason and the fix; none is dropped. Values may be YAML's (booleans, ints) or
+`accel launch` flag strings ("true", "2").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from accel._parallelism import CompileMode, FSDPOptions, Parallelism
+
+Pairs = tuple[tuple[str, Any], ...]
+
+
+def _bool(key: str, value: Any) -> bool:
+    text = str(value).lower()
+    if isinstance(value, bool) or text in ("true", "false"):
+        return value if isinstance(value, bool) else text == "true"
+    raise ValueError(f"config: {key}={value!r} must be true or false.")
+
+
+def _int(key: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if isinstance(value, bool) or (number < 1 and number != -1):
+        raise ValueError(f"config: {key}={value!r} must be an integer >= 1 (or -1 to fill).")
+    return number
+
+
+def _refuse(key: str, value: Any, why: str) -> None:
+    raise NotImplementedError(f"config: {key}={value!r} is not supported: {why}.")
+
+
+def _allow(*allowed: Any, why: str) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if str(value).lower() not in {str(a).lower() for a in allowed}:
+            _refuse(key, value, why)
+
+    return check
+
+
+# fsdp_config keys accel accepts without a setting of its own, each with what FSDP2 does.
+_FSDP_FIXED: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
+    {
+        "fsdp_version": _allow(2, why="accel shards with FSDP2 (fully_shard); set fsdp_version: 2"),
+        "fsdp_auto_wrap_policy": _allow(
+            "TRANSFORMER_BASED_WRAP", "NO_WRAP", why="accel wraps by layer class "
+            "(fsdp_transformer_layer_cls_to_wrap) or the root only; size-based wrapping is not "
+            "available in FSDP2",
+        ),
+        "fsdp_state_dict_type": _allow(
+            "SHARDED_STATE_DICT", why="accel.save_state always writes a sharded (DCP) "
+            "checkpoint; write full weights with accel.save_model or `accel merge-weights`",
+        ),
+        "fsdp_use_orig_params": _allow(True, why="FSDP2 always keeps the original parameters"),
+        "fsdp_forward_prefetch": _allow(False, why="FSDP2 prefetches by its own schedule"),
+        "fsdp_backward_prefetch": _allow(
+            "BACKWARD_PRE", why="FSDP2 always prefetches the next all-gather before backward"
+        ),
+        # accel's sharded loading reads each rank's own slices whatever this says.
+        "fsdp_cpu_ram_efficient_loading": _bool,
+        "fsdp_sharding_strategy": _allow(
+            "FULL_SHARD", "SHARD_GRAD_OP", why="use parallelism_config (dp_replicate_size for "
+            "HYBRID_SHARD) or distributed_type MULTI_CPU/MULTI_GPU (NO_SHARD)",
+        ),
+        "fsdp_min_num_params": _allow(why="size-based wrapping is not available in FSDP2"),
+    }
+)  # fmt: skip
+_FSDP_OPTIONS = MappingProxyType(
+    {
+        "fsdp_reshard_after_forward": "reshard_after_forward",
+        "fsdp_activation_checkpointing": "activation_checkpointing",
+        "fsdp_offload_params": "offload_params",
+        "fsdp_sync_module_states": "sync_module_states",
+    }
+)
+FSDP_KEYS = (*_FSDP_FIXED, *_FSDP_OPTIONS, "fsdp_transformer_layer_cls_to_wrap")
+
+_MESH_KEYS = MappingProxyType(
+    {
+        "parallelism_config_dp_replicate_size": "dp_replicate",
+        "parallelism_config_dp_shard_size": "dp_shard",
+        "parallelism_config_cp_size": "cp",
+        "parallelism_config_tp_size": "tp",
+    }
+)
+PARALLELISM_KEYS = (*_MESH_KEYS, "parallelism_config_cp_comm_strategy")
+DYNAMO_KEYS = (
+    "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)  # fmt: skip
+
+
+def _known(section: str, pairs: Pairs, keys: tuple[str, ...]) -> dict[str, Any]:
+    values = dict(pairs)
+    for key in values:
+        if key not in keys:
+            raise ValueError(
+                f"config: {section} has unknown key {key!r}; accel knows {sorted(keys)}. "
+                "Remove it, or rename it to one of those."
+            )
+    return values
+
+
+def fsdp_options(distributed_type: str, pairs: Pairs) -> FSDPOptions | None:
+    """The FSDPOptions an `fsdp_config` section asks for (None when there is none)."""
+    values = _known("fsdp_config", pairs, FSDP_KEYS)
+    if values and distributed_type != "FSDP":
+        raise ValueError(
+            f"config: fsdp_config is given but distributed_type={distributed_type!r}; set "
+            "distributed_type: FSDP (or --use_fsdp) to shard, or remove fsdp_config."
+        )
+    if not values:
+        return None
+    options: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in _FSDP_FIXED:
+            _FSDP_FIXED[key](key, value)
+        elif key in _FSDP_OPTIONS:
+            options[_FSDP_OPTIONS[key]] = _bool(key, value)
+    if str(values.get("fsdp_sharding_strategy", "")).upper() == "SHARD_GRAD_OP":
+        options.setdefault("reshard_after_forward", False)
+    names = values.get("fsdp_transformer_layer_cls_to_wrap")
+    wrap_policy = str(values.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
+    if names and wrap_policy != "NO_WRAP":
+        listed = names if isinstance(names, (list, tuple)) else str(names).split(",")
+        options["layer_classes"] = tuple(n.strip() for n in listed if str(n).strip())
+    return FSDPOptions(**options)
+
+
+def parallelism_of(distributed_type: str, pairs: Pairs) -> Parallelism | None:
+    """The mesh sizes a `parallelism_config` (or `distributed_type: FSDP`) asks for."""
+    values = _known("parallelism_config", pairs, PARALLELISM_KEYS)
+    strategy = values.pop("parallelism_config_cp_comm_strategy", "allgather")
+    _allow("allgather", why="torch's context_parallel rotates by all-gather here")(
+        "parallelism_config_cp_comm_strategy", strategy
+    )
+    sizes = {_MESH_KEYS[k]: _int(k, v) for k, v in values.items()}
+    if sizes:
+        return Parallelism(**sizes)
+    if distributed_type == "FSDP":
+        return Parallelism(dp_shard=-1)  # Accelerate's FSDP shards over every process
+    return None
+
+
+def compile_mode(pairs: Pairs) -> CompileMode:
+    """What a `dynamo_config` section asks `wrap_model` to compile."""
+    values: Mapping[str, Any] = _known("dynamo_config", pairs, DYNAMO_KEYS)
+    backend = str(values.get("dynamo_backend", "NO")).upper()
+    if backend == "NO":
+        return False
+    if backend != "INDUCTOR":
+        _refuse("dynamo_backend", values["dynamo_backend"], "accel compiles with inductor")
+    _allow("default", "None", why="accel compiles with the default mode")(
+        "dynamo_mode", values.get("dynamo_mode", "default")
+    )
+    for key in ("dynamo_use_fullgraph", "dynamo_use_dynamic"):
+        if key in values and values[key] is not None and _bool(key, values[key]):
+            _refuse(key, values[key], "accel compiles with torch.compile's defaults")
+    regional = _bool(
+        "dynamo_use_regional_compilation", values.get("dynamo_use_regional_compilation", False)
+    )
+    return "regional" if regional else True

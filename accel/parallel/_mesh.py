@@ -1,0 +1,53 @@
+"""Build the `DeviceMesh` of a `Parallelism` over the default process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from accel.context import Parallelism, RunContext
+
+
+def check_cp(owner: str, parallelism: Parallelism, device_type: str) -> None:
+    """Refuse context parallelism where torch has no implementation to run it."""
+    if parallelism.cp > 1 and device_type != "cuda":
+        # torch's context_parallel rewrites SDPA into ring attention over the CUDA flash and
+        # efficient kernels. On torch 2.13's CPU build it fails with "Operator
+        # aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+        # strategy registered" (checked with gloo at 2 ranks), so cp is refused up front.
+        raise NotImplementedError(
+            f"{owner}: parallelism cp={parallelism.cp} needs CUDA devices (torch's "
+            "context_parallel ring attention runs on the CUDA SDPA kernels only); this run is "
+            f"on {device_type!r}. Use cp=1 here (fold those ranks into dp_shard or tp)."
+        )
+
+
+def with_mesh(ctx: RunContext, parallelism: Parallelism, *, source: str) -> RunContext:
+    """Return `ctx` with `parallelism` resolved and its DeviceMesh built (a collective).
+
+    The mesh has one dimension per size > 1, named as in `Parallelism`, plus the flattened
+    "dp" (dp_replicate x dp_shard) when both are > 1 and "dp_shard_cp" when cp > 1, the
+    dimensions FSDP2 and `along(ctx, "dp")` use. Every rank must call it.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    resolved = parallelism.resolve(ctx.world_size)
+    check_cp("init_distributed", resolved, ctx.device.type)
+    sources = {**ctx.sources, "parallelism": source, "mesh": source}
+    names = resolved.names()
+    if not names:
+        return dataclasses.replace(ctx, parallelism=resolved, sources=sources)
+    if ctx.process_group is not None or not dist.is_initialized():
+        raise RuntimeError(
+            "init_distributed: a DeviceMesh is built over torch's default process group, and "
+            f"this context has process_group={ctx.process_group!r} (initialised: "
+            f"{dist.is_initialized()}). Build meshes from the whole world's context."
+        )
+    shape = tuple(getattr(resolved, n) for n in names)
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    if resolved.dp_replicate > 1 and resolved.dp_shard > 1:
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if resolved.cp > 1 and resolved.dp_shard > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return dataclasses.replace(ctx, parallelism=resolved, mesh=mesh, sources=sources)

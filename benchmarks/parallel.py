@@ -1,0 +1,180 @@
+"""N-D parallel training steps through accel against the same torch calls wired by hand.
+
+At 4 CPU ranks (gloo), for each mesh: one Llama-style model wrapped by `accel.wrap_model` (and
+stepped with accel's calls), one wrapped by hand with `parallelize_module`, `fully_shard`,
+`checkpoint_wrapper` and `nn.Module.compile` (and stepped with plain torch). Rounds alternate
+which goes first; the table reports the accel/hand ratio of each round's time, best and
+median. Then the peak resident memory per rank of dp_shard=4 with and without activation
+checkpointing, each in its own world (peak RSS cannot be reset inside a process).
+
+    python benchmarks/parallel.py            # full run
+    python benchmarks/parallel.py --quick    # fewer rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.dist._llama
+
+import accel
+from accel import FSDPOptions, Parallelism
+from accel.testing import run_world
+from tests.dist._llama import TP_PLAN, Block, lm_loss, make_model
+
+SIZES = {"vocab": 512, "dim": 256, "heads": 8, "layers": 4}
+BATCH, SEQ = 16, 64
+
+MESHES = {
+    "dp_shard=2 x tp=2": (Parallelism(dp_shard=2, tp=2), {}),
+    "dp_replicate=2 x dp_shard=2 (HSDP)": (Parallelism(dp_replicate=2, dp_shard=2), {}),
+    "tp=4": (Parallelism(tp=4), {}),
+    "dp_shard=4 + activation checkpointing": (Parallelism(dp_shard=4), {"ac": True}),
+    "dp_shard=2 x tp=2 + regional compile": (Parallelism(dp_shard=2, tp=2), {"compile": True}),
+}
+
+
+def _by_hand(ctx: accel.RunContext, options: dict[str, Any]) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    p, mesh = ctx.parallelism, ctx.mesh
+    assert p is not None
+    model = make_model(**SIZES)
+    if p.tp > 1:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {
+            k.replace("*", str(i)): styles[v]()
+            for i in range(SIZES["layers"])
+            for k, v in TP_PLAN.items()
+        }
+        parallelize_module(model, mesh["tp"], plan)
+    for i, block in enumerate(model.layers):
+        if options.get("ac"):
+            block = checkpoint_wrapper(block)
+            model.layers[i] = block
+        if options.get("compile"):
+            block.compile()
+    if p.dp_shard > 1:
+        dp = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+        for block in model.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return model
+
+
+def _with_accel(ctx: accel.RunContext, options: dict[str, Any]) -> nn.Module:
+    p = ctx.parallelism
+    assert p is not None
+    fsdp = None
+    if p.dp_shard > 1:
+        fsdp = FSDPOptions(
+            layer_classes=(Block,), activation_checkpointing=options.get("ac", False)
+        )
+    return accel.wrap_model(
+        ctx, make_model(**SIZES), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp,
+        compile="regional" if options.get("compile") else False,
+    )  # fmt: skip
+
+
+def _tokens(ctx: accel.RunContext) -> torch.Tensor:
+    g = torch.Generator().manual_seed(ctx.dp_rank)
+    return torch.randint(0, SIZES["vocab"], (BATCH // ctx.dp_size, SEQ + 1), generator=g)
+
+
+def _time(ctx: accel.RunContext, options: dict[str, Any], rounds: int, steps: int) -> list[float]:
+    torch.set_num_threads(1)  # 4 ranks share the machine's cores
+    tokens = _tokens(ctx)
+    hand = _by_hand(ctx, options)
+    hand_opt = torch.optim.AdamW(hand.parameters(), lr=1e-4)
+    mine = _with_accel(ctx, options)
+    mine_opt = torch.optim.AdamW(mine.parameters(), lr=1e-4)
+
+    def run_hand() -> None:
+        for _ in range(steps):
+            lm_loss(hand, tokens).backward()
+            hand_opt.step()
+            hand_opt.zero_grad()
+
+    def run_accel() -> None:
+        for step in range(steps):
+            with accel.accumulate(ctx, mine, step) as sync:
+                accel.scaled_backward(ctx, lm_loss(mine, tokens))
+            if sync:
+                accel.optimizer_step(ctx, mine_opt)
+                mine_opt.zero_grad()
+
+    run_hand(), run_accel()  # warm up (and compile)
+    ratios = []
+    for r in range(rounds):
+        order = [("hand", run_hand), ("accel", run_accel)]
+        took = {}
+        for name, fn in order if r % 2 else order[::-1]:
+            accel.wait_for_everyone(ctx)
+            start = time.perf_counter()
+            fn()
+            accel.wait_for_everyone(ctx)
+            took[name] = time.perf_counter() - start
+        ratios.append(took["accel"] / took["hand"])
+    return ratios
+
+
+def _peak_rss(ctx: accel.RunContext, ac: bool, steps: int) -> float:
+    torch.set_num_threads(1)
+    model = _with_accel(ctx, {"ac": ac})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, SIZES["vocab"], (4 * BATCH // ctx.dp_size, 4 * SEQ + 1))
+    for _ in range(steps):
+        accel.scaled_backward(ctx, lm_loss(model, tokens))
+        accel.optimizer_step(ctx, opt)
+        opt.zero_grad()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mesh", action="append", help="only these meshes (by table name)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory worlds")
+    cli = parser.parse_args()
+    quick = cli.quick
+    rounds, steps = (4, 2) if quick else (10, 3)
+    print(f"4 gloo ranks, Llama-style {SIZES}, batch {BATCH} x seq {SEQ}, AdamW")
+    print("| mesh | accel / hand, best | median | rounds x steps |\n|---|---|---|---|")
+    for name, (parallelism, options) in MESHES.items():
+        if cli.mesh and name not in cli.mesh:
+            continue
+        ratios = run_world(
+            _time, world_size=4, args=(options, rounds, steps), parallelism=parallelism,
+            timeout=1200,
+        )[0]  # fmt: skip
+        best, median = min(ratios), statistics.median(ratios)
+        print(f"| {name} | {best:.3f}x | {median:.3f}x | {rounds} x {steps} |", flush=True)
+    if cli.no_memory:
+        return
+    print("\n| dp_shard=4, 4x longer batch | peak RSS per rank (MiB), mean of ranks |\n|---|---|")
+    for ac in (False, True):
+        peaks = run_world(
+            _peak_rss, world_size=4, args=(ac, 2), parallelism=Parallelism(dp_shard=4),
+            timeout=1200,
+        )  # fmt: skip
+        label = "with activation checkpointing" if ac else "without"
+        print(f"| {label} | {statistics.mean(peaks):.0f} (ranks {[round(x) for x in peaks]}) |")
+
+
+if __name__ == "__main__":
+    main()
