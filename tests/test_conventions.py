@@ -175,20 +175,14 @@ def test_import_starts_no_cuda_no_process_group_and_writes_no_environment() -> N
 
 PACKAGE = Path(accel.__file__).parent
 # Private modules at the top of the package serve several concerns; a private module of one
-# concern lives in that concern's subpackage (checkpoint/, big_model/, parallel/, cli/).
+# concern lives in that concern's subpackage (checkpoint/, big_model/, data/, parallel/, cli/).
 SHARED_PRIVATE = frozenset(
     {
         "_exit",
         "_groups",
         "_launcher",
         "_parallelism",
-        "_shard_plan",
         "_size",
-        # _stream and _stream_dispatch belong to data (iterable datasets split across ranks
-        # and workers; dispatch mode): with _shard_plan, three private modules of the data
-        # concern, which should become a subpackage (the lead decides: data.py is in flux).
-        "_stream",
-        "_stream_dispatch",
         "_tree",
         "_typing",
         "_version",

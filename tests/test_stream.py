@@ -1,4 +1,4 @@
-"""Iterable datasets in shard_loader at world size 1: workers, splitting, resume (accel._stream).
+"""Iterable datasets in shard_loader at world size 1: workers, splitting, resume (data._stream).
 
 The multi-rank checks (2 and 4 ranks, uneven ends) are in tests/dist/test_stream_dist.py.
 """

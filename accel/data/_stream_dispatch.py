@@ -1,6 +1,6 @@
 """Dispatch mode for iterable datasets: rank 0 reads the stream and sends each rank its batch.
 
-Part of the data concern (`accel._stream.open_stream` chooses it for
+Part of the data concern (`accel.data._stream.open_stream` chooses it for
 `shard_loader(..., dispatch_batches=True)`): the Accelerate `dispatch_batches` behaviour for
 streams that cannot split themselves.
 """
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from accel._groups import global_rank, named_collective, require_group
-from accel._shard_plan import ShardPlan
 from accel.context import RunContext
+from accel.data._shard_plan import ShardPlan
 
 
 class _Counted:

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from accel._groups import named_collective, require_group
-from accel._shard_plan import ShardPlan
-from accel._stream_dispatch import DispatchStream
 from accel.collectives import broadcast_object
 from accel.context import RunContext
+from accel.data._shard_plan import ShardPlan
+from accel.data._stream_dispatch import DispatchStream
 
 SplitKind = Literal["datasets", "iter_shard", "shard"]
 DISPATCH_NEEDS_STREAM = (
