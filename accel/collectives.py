@@ -4,7 +4,7 @@ Every function takes the context first and runs on `ctx.process_group`, so two c
 process (say, the whole world and a sub-group) never mix. On one process each returns its input.
 
 Before moving data, the ranks agree on what they hold. Each rank all-gathers one buffer of a
-size every rank knows without asking (`_round_bytes(world_size)`): an 8-byte hash of its
+size every rank knows without asking (`round_bytes(world_size)`): an 8-byte hash of its
 structure, shapes and dtypes, then, when they fit, the bytes of its tensors. If the hashes
 differ, the ranks swap full descriptions and every rank raises the same error naming the ranks
 and shapes, instead of hanging in a collective with mismatched sizes or returning garbage. If
@@ -14,7 +14,6 @@ collective was the whole call; otherwise a second round moves the data, now know
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar, get_args
@@ -22,6 +21,7 @@ from typing import Any, TypeVar, get_args
 import torch
 import torch.distributed as dist
 
+from accel._agreement import all_gather_single, describe_leaves, exchange, stacked
 from accel._groups import comm_device, global_rank, named_collective, require_group
 from accel._tree import TreeDef, tensor_leaves, unflatten
 from accel._typing import ReduceOp, TensorTree
@@ -38,118 +38,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both ends of >=2.4.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 _REDUCE_OPS = MappingProxyType(
     {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 )
-
-
-def _describe(leaves: Sequence[torch.Tensor], treedef: TreeDef, dim: int | None) -> str:
-    parts = []
-    for t in leaves:
-        shape = list(t.shape)
-        if dim is not None and t.dim() > 0:
-            shape[dim] = -1  # the padded dim may differ; mark it free
-        parts.append(f"{str(t.dtype).removeprefix('torch.')}{shape}")
-    return f"{_structure(treedef)} {' '.join(parts)}"
-
-
-def _structure(td: TreeDef) -> str:
-    if td.kind == "leaf":
-        return "*"
-    inner = ",".join(_structure(c) for c in td.children)
-    return f"{td.kind}{list(td.keys) if td.keys else ''}({inner})"
-
-
-_HEADER_BYTES = 16  # the int64 hash, then 8 bytes that keep the payload 16-byte aligned
-_ROUND_TOTAL_BYTES = 32 * 1024
-# What each rank receives in the first round, all ranks together. On gloo over loopback an
-# all-gather of 16 KiB per rank takes as long as one of 16 bytes (benchmarks/collectives.py),
-# so small inputs ride along with the hash for free; the budget shrinks per rank as the world
-# grows, so a scalar gathered over 1024 ranks still moves only 32 KiB.
-
-
-def _round_bytes(world_size: int) -> int:
-    return max(_HEADER_BYTES + 240, _ROUND_TOTAL_BYTES // world_size) // 16 * 16
-
-
-def _layout(leaves: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, end = [], _HEADER_BYTES
-    for t in leaves:
-        offsets.append(end)
-        end += -(-t.numel() * t.element_size() // 16) * 16
-    return offsets, end
-
-
-def _exchange(
-    ctx: RunContext,
-    fn: str,
-    description: str,
-    leaves: Sequence[torch.Tensor],
-    hint: str,
-    group: Any,
-    *,
-    call: str | None = None,
-) -> tuple[torch.Tensor | None, list[int]]:
-    """All-gather the hash of `call` and `description` and, if they fit, the bytes of `leaves`.
-
-    `call` names the collective and the arguments every rank must agree on (`reduce(op='sum')`,
-    `broadcast(src=0)`); it defaults to `fn`. Ranks that disagree on it all raise too, instead of
-    running different collectives (a hang) or reducing with different ops (garbage).
-
-    Returns every rank's row (uint8 [world_size, _round_bytes]) and the byte offset of each
-    leaf in it, or None instead of the rows when the leaves did not fit (the caller moves
-    them itself, knowing that every rank holds the same shapes). Raises on every rank when the
-    descriptions differ.
-    """
-    call = fn if call is None else call
-    digest = hashlib.blake2b(f"{call}|{description}".encode(), digest_size=8).digest()
-    size = _round_bytes(ctx.world_size)
-    offsets, end = _layout(leaves)
-    inline = end <= size
-    device = comm_device(ctx)
-    row = torch.empty(size, dtype=torch.uint8, device=device)
-    row[:8].view(torch.int64).fill_(int.from_bytes(digest, "little", signed=True))
-    if inline:
-        for t, offset in zip(leaves, offsets, strict=True):
-            nbytes = t.numel() * t.element_size()
-            row[offset : offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
-    flat = torch.empty(ctx.world_size * size, dtype=torch.uint8, device=device)
-    with named_collective(ctx, fn):
-        _all_gather_single(flat, row, group=group)
-    rows = flat.view(ctx.world_size, size)
-    hashes = rows[:, :8].view(torch.int64).flatten().tolist()
-    if hashes.count(hashes[0]) != len(hashes):
-        descriptions: list[Any] = [None] * ctx.world_size
-        with named_collective(ctx, fn):
-            dist.all_gather_object(descriptions, (call, description), group=group)
-        if len({c for c, _ in descriptions}) > 1:
-            listing = "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(descriptions))
-            raise ValueError(
-                f"{fn}: the ranks made different calls ({listing}); every rank must call the "
-                "same collective with the same op and src at the same point."
-            )
-        listing = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(descriptions))
-        raise ValueError(
-            f"{fn}: the ranks passed different inputs ({listing}); every rank must pass the "
-            f"same structure, dtypes and shapes. {hint}"
-        )
-    return (rows if inline else None), offsets
-
-
-def _stacked(
-    rows: torch.Tensor, offset: int, t: torch.Tensor, shape: Sequence[int] | None = None
-) -> torch.Tensor:
-    """Every rank's copy of leaf `t` from the exchanged rows, as [world_size, *t.shape].
-
-    (Or in `shape`, for gather's concatenation.) A new tensor, on `t`'s device.
-    """
-    nbytes = t.numel() * t.element_size()
-    part = rows[:, offset : offset + nbytes].contiguous().view(t.dtype)
-    part = part.view(*shape) if shape is not None else part.view(rows.shape[0], *t.shape)
-    return part if part.device == t.device else part.to(t.device)
 
 
 def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
@@ -190,10 +81,10 @@ def gather_leaves(
 ) -> list[torch.Tensor]:
     """`gather` of a flattened tree (world_size > 1); errors name `fn` and end with `hint`."""
     group = require_group(ctx, fn)
-    rows, offsets = _exchange(ctx, fn, _describe(leaves, treedef, None), leaves, hint, group)
+    rows, offsets = exchange(ctx, fn, describe_leaves(leaves, treedef, None), leaves, hint, group)
     if rows is not None:
         return [
-            _stacked(rows, offset, t, (-1, *t.shape[1:]))
+            stacked(rows, offset, t, (-1, *t.shape[1:]))
             for t, offset in zip(leaves, offsets, strict=True)
         ]
     out = []
@@ -201,7 +92,7 @@ def gather_leaves(
         for t in leaves:
             t = t.reshape(1) if t.dim() == 0 else t.contiguous()
             result = t.new_empty((ctx.world_size * t.shape[0], *t.shape[1:]))
-            _all_gather_single(result, t, group=group)
+            all_gather_single(result, t, group=group)
             out.append(result)
     return out
 
@@ -247,17 +138,17 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "reduce")
-    rows, offsets = _exchange(
+    rows, offsets = exchange(
         ctx,
         "reduce",
-        _describe(leaves, treedef, None),
+        describe_leaves(leaves, treedef, None),
         leaves,
         "",
         group,
         call=f"reduce(op={op!r})",
     )
     if rows is not None:  # reduce the gathered copies locally, in rank order on every rank
-        stacks = [_stacked(rows, offset, t) for t, offset in zip(leaves, offsets, strict=True)]
+        stacks = [stacked(rows, offset, t) for t, offset in zip(leaves, offsets, strict=True)]
         return unflatten(treedef, [_reduce_local(x, op).to(x.dtype) for x in stacks])
     out = []
     with named_collective(ctx, "reduce"):
@@ -301,12 +192,12 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
     if ctx.world_size == 1:
         return tree
     group = require_group(ctx, "broadcast")
-    description = _describe(leaves, treedef, None)
+    description = describe_leaves(leaves, treedef, None)
     call = f"broadcast(src={src})"
-    rows, offsets = _exchange(ctx, "broadcast", description, leaves, "", group, call=call)
+    rows, offsets = exchange(ctx, "broadcast", description, leaves, "", group, call=call)
     if rows is not None:
         out = [
-            _stacked(rows[src : src + 1], offset, t)[0]
+            stacked(rows[src : src + 1], offset, t)[0]
             for t, offset in zip(leaves, offsets, strict=True)
         ]
         return unflatten(treedef, out)
@@ -366,16 +257,16 @@ def pad_across_processes(
     group = require_group(ctx, "pad_across_processes")
     sizes = torch.tensor([t.shape[dim] for t in leaves], dtype=torch.int64)
     axis = dim % leaves[0].dim() if leaves else dim  # -1 and 1 name one dim of a 2-D tensor
-    rows, offsets = _exchange(
-        ctx, "pad_across_processes", _describe(leaves, treedef, dim), [sizes],
+    rows, offsets = exchange(
+        ctx, "pad_across_processes", describe_leaves(leaves, treedef, dim), [sizes],
         "Only the size along `dim` may differ.", group, call=f"pad_across_processes(dim={axis})",
     )  # fmt: skip
     if rows is not None:
-        everyone = _stacked(rows, offsets[0], sizes)
+        everyone = stacked(rows, offsets[0], sizes)
     else:  # too many leaves to ride along with the hash
         everyone = sizes.to(comm_device(ctx)).new_empty((ctx.world_size * len(leaves),))
         with named_collective(ctx, "pad_across_processes"):
-            _all_gather_single(everyone, sizes.to(everyone.device), group=group)
+            all_gather_single(everyone, sizes.to(everyone.device), group=group)
         everyone = everyone.view(ctx.world_size, len(leaves))
     largest = everyone.amax(dim=0).tolist()
     return unflatten(

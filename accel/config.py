@@ -27,29 +27,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, cast, get_args
+from typing import Any
 
-from accel._parallelism import FSDPOptions, Parallelism
+from accel._env_vars import ENV_CONFIG_FILE, env_settings, parse_precision
+from accel._parallelism import Parallelism
 from accel._typing import Precision
 from accel.parallel import _accelerate
 
 __all__ = ["Config", "default_config_path", "load_config"]
-
-ENV_PRECISION = "ACCEL_PRECISION"
-ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
-ENV_SEED = "ACCEL_SEED"
-ENV_DEVICE = "ACCEL_DEVICE"
-ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
-ENV_COMPILE = "ACCEL_COMPILE"
-ENV_FSDP_PREFIX = "ACCEL_FSDP_"
-ENV_MESH = MappingProxyType(
-    {
-        "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
-        "dp_shard": "ACCEL_DP_SHARD_SIZE",
-        "cp": "ACCEL_CP_SIZE",
-        "tp": "ACCEL_TP_SIZE",
-    }
-)
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
 _DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
@@ -104,18 +89,6 @@ def _str(key: str, value: Any) -> str | None:
     if not isinstance(value, (str, int)):
         raise ValueError(f"config: {key}={value!r} must be a string.")
     return str(value)
-
-
-def parse_precision(key: str, value: Any) -> Precision:
-    """Map a precision setting (accel's or Accelerate's spelling) to a `Precision`."""
-    # YAML reads a bare `no` as False, which is how Accelerate's files spell "no mixed precision".
-    text = "fp32" if value is False or value in ("no", "fp32", None) else value
-    if text not in get_args(Precision):
-        raise ValueError(
-            f"config: {key}={value!r} is not a precision; expected one of "
-            f"{get_args(Precision)} (or Accelerate's 'no'). Example: mixed_precision: bf16"
-        )
-    return cast(Precision, text)
 
 
 def _distributed_type(key: str, value: Any) -> str:
@@ -382,90 +355,6 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return parse_config(data, origin=str(file))
 
 
-def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """Return the RunContext settings found in `environ`, each with its source label."""
-    found: dict[str, tuple[Any, str]] = {}
-    if ENV_PRECISION in environ:
-        found["precision"] = (
-            parse_precision(ENV_PRECISION, environ[ENV_PRECISION]),
-            f"env {ENV_PRECISION}",
-        )
-    if ENV_DEVICE in environ:
-        found["device"] = (environ[ENV_DEVICE], f"env {ENV_DEVICE}")
-    for var, name in ((ENV_GRAD_ACCUM, "grad_accum_steps"), (ENV_SEED, "seed")):
-        if var in environ:
-            try:
-                number = int(environ[var])
-            except ValueError:
-                raise ValueError(
-                    f"init_distributed: {var}={environ[var]!r} must be an integer."
-                ) from None
-            found[name] = (number, f"env {var}")
-    mesh_vars = {dim: var for dim, var in ENV_MESH.items() if var in environ}
-    if mesh_vars:
-        sizes = {}
-        for dim, var in mesh_vars.items():
-            try:
-                sizes[dim] = int(environ[var])
-            except ValueError:
-                raise ValueError(
-                    f"init_distributed: {var}={environ[var]!r} must be an integer >= 1 or -1."
-                ) from None
-        source = "env " + ", ".join(mesh_vars.values())
-        found["parallelism"] = (Parallelism(**sizes), source)
-    fsdp_vars = sorted(k for k in environ if k.startswith(ENV_FSDP_PREFIX))
-    if fsdp_vars:
-        found["fsdp"] = (_fsdp_from_env(environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
-    if ENV_COMPILE in environ:
-        text = environ[ENV_COMPILE].lower()
-        if text not in ("false", "true", "regional"):
-            raise ValueError(
-                f"init_distributed: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true "
-                "or regional."
-            )
-        mode = {"false": False, "true": True}.get(text, "regional")
-        found["compile"] = (mode, f"env {ENV_COMPILE}")
-    return found
-
-
-def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
-    known = {f.name: f.type for f in fields(FSDPOptions)}
-    values: dict[str, Any] = {}
-    for var in names:
-        name = var.removeprefix(ENV_FSDP_PREFIX).lower()
-        text = environ[var]
-        if name not in known:
-            raise ValueError(
-                f"init_distributed: {var} names no FSDPOptions field; expected "
-                f"{ENV_FSDP_PREFIX}<one of {sorted(known)}> (upper case)."
-            )
-        if name == "layer_classes":
-            values[name] = tuple(n.strip() for n in text.split(",") if n.strip())
-        elif name.endswith("_dtype"):
-            values[name] = text
-        elif text.lower() in ("true", "false"):
-            values[name] = text.lower() == "true"
-        else:
-            raise ValueError(f"init_distributed: {var}={text!r} must be true or false.")
-    return FSDPOptions(**values)
-
-
-def fsdp_environment(options: FSDPOptions) -> dict[str, str]:
-    """The `ACCEL_FSDP_*` variables that carry `options` to `init_distributed` in a worker."""
-    env: dict[str, str] = {}
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if f.name == "layer_classes":
-            text = ",".join(c if isinstance(c, str) else c.__name__ for c in value)
-        elif f.name.endswith("_dtype"):
-            text = "" if value is None else str(value).removeprefix("torch.")
-        else:
-            text = str(value).lower()
-        if text:
-            env[ENV_FSDP_PREFIX + f.name.upper()] = text
-    return env
-
-
 def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     """Return the RunContext settings a `Config` carries, each labelled with `source`."""
     found: dict[str, tuple[Any, str]] = {
@@ -482,3 +371,24 @@ def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     if compile:
         found["compile"] = (compile, source)
     return found
+
+
+def resolve_settings(
+    arguments: Mapping[str, Any], environ: Mapping[str, str], config: Any
+) -> dict[str, tuple[Any, str]]:
+    """The RunContext settings with their sources, by precedence: argument, launcher variable,
+    config file, default."""
+    settings: dict[str, tuple[Any, str]] = {"precision": ("fp32", "default")}
+    settings["grad_accum_steps"] = (1, "default")
+    settings["seed"] = (None, "default")
+    if config is None and ENV_CONFIG_FILE in environ:
+        config = environ[ENV_CONFIG_FILE]
+    if config is not None:
+        parsed = config if isinstance(config, Config) else load_config(config)
+        label = "config" if isinstance(config, Config) else f"config {config}"
+        settings.update(config_settings(parsed, label))
+    settings.update(env_settings(environ))
+    for name, value in arguments.items():
+        if value is not None:
+            settings[name] = (value, "argument")
+    return settings

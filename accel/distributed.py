@@ -27,6 +27,7 @@ from accel._launcher import LaunchEnv, parse_launch_env
 from accel._typing import Backend, Precision
 from accel.context import Parallelism, RunContext, default_device
 from accel.parallel._mesh import with_mesh
+from accel.seeding import check_seed
 
 __all__ = [
     "any_rank",
@@ -61,35 +62,6 @@ def _as_timeout(value: float | timedelta | None) -> timedelta:
             "datetime.timedelta, e.g. timeout=600."
         )
     return timedelta(seconds=seconds)
-
-
-def _check_seed(seed: object) -> None:
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"init_distributed: seed={seed!r} must be an int (or None); e.g. seed=42.")
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"init_distributed: seed={seed!r} must be in [0, 2**63); e.g. seed=42.")
-
-
-def _resolve(
-    arguments: Mapping[str, Any], environ: Mapping[str, str], config: Any
-) -> dict[str, tuple[Any, str]]:
-    # Precedence, highest first: argument, launcher variable, config file, default.
-    settings: dict[str, tuple[Any, str]] = {"precision": ("fp32", "default")}
-    settings["grad_accum_steps"] = (1, "default")
-    settings["seed"] = (None, "default")
-    if config is None and _config.ENV_CONFIG_FILE in environ:
-        config = environ[_config.ENV_CONFIG_FILE]
-    if config is not None:
-        parsed = config if isinstance(config, _config.Config) else _config.load_config(config)
-        label = "config" if isinstance(config, _config.Config) else f"config {config}"
-        settings.update(_config.config_settings(parsed, label))
-    settings.update(_config.env_settings(environ))
-    for name, value in arguments.items():
-        if value is not None:
-            settings[name] = (value, "argument")
-    return settings
 
 
 def init_distributed(
@@ -140,7 +112,7 @@ def init_distributed(
         (1, True)
     """
     wait = _as_timeout(timeout)
-    _check_seed(seed)
+    check_seed("init_distributed", seed)
     launch = parse_launch_env(os.environ)
     if parallelism is not None and not isinstance(parallelism, Parallelism):
         raise TypeError(
@@ -151,7 +123,7 @@ def init_distributed(
         "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,
         "device": device, "parallelism": parallelism,
     }  # fmt: skip
-    settings = _resolve(arguments, os.environ, config)
+    settings = _config.resolve_settings(arguments, os.environ, config)
     if "device" in settings:
         chosen = torch.device(settings["device"][0])
     else:

@@ -13,6 +13,16 @@ from accel.context import RunContext
 __all__ = ["get_rng_state", "set_rng_state", "set_seed"]
 
 
+def check_seed(fn: str, seed: object) -> None:
+    """Raise naming `fn` unless `seed` is None or an int in [0, 2**63) (torch's seed range)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{fn}: seed={seed!r} must be an int (or None); e.g. seed=42.")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{fn}: seed={seed!r} must be in [0, 2**63); e.g. seed=42.")
+
+
 def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = False) -> int:
     """Seed Python's `random`, NumPy and torch (CPU and every CUDA device).
 

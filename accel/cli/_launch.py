@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from accel import _env_vars
 from accel import config as _config
 from accel.cli._args import add_flag
 from accel.parallel import _accelerate
@@ -216,13 +217,13 @@ def _check_port_free(port: int | None) -> None:
 def worker_environment(config: _config.Config) -> dict[str, str]:
     """The variables that carry the settings to `init_distributed` in each worker."""
     env = {
-        _config.ENV_PRECISION: config.mixed_precision,
-        _config.ENV_GRAD_ACCUM: str(config.gradient_accumulation_steps),
+        _env_vars.ENV_PRECISION: config.mixed_precision,
+        _env_vars.ENV_GRAD_ACCUM: str(config.gradient_accumulation_steps),
     }
     if config.seed is not None:
-        env[_config.ENV_SEED] = str(config.seed)
+        env[_env_vars.ENV_SEED] = str(config.seed)
     if config.use_cpu:
-        env[_config.ENV_DEVICE] = "cpu"
+        env[_env_vars.ENV_DEVICE] = "cpu"
     if config.gpu_ids not in (None, "all"):
         env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
     if config.num_cpu_threads_per_process is not None:
@@ -230,11 +231,11 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
     settings = _config.config_settings(config, "launch")
     if "parallelism" in settings:
         sizes = settings["parallelism"][0]
-        env |= {var: str(getattr(sizes, dim)) for dim, var in _config.ENV_MESH.items()}
+        env |= {var: str(getattr(sizes, dim)) for dim, var in _env_vars.ENV_MESH.items()}
     if "fsdp" in settings:
-        env |= _config.fsdp_environment(settings["fsdp"][0])
+        env |= _env_vars.fsdp_environment(settings["fsdp"][0])
     if "compile" in settings:
-        env[_config.ENV_COMPILE] = str(settings["compile"][0]).lower()
+        env[_env_vars.ENV_COMPILE] = str(settings["compile"][0]).lower()
     return env
 
 

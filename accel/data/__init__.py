@@ -21,6 +21,7 @@ from accel.context import RunContext, along
 from accel.data._loader import Layout, ShardedLoader
 from accel.data._shard_plan import ShardBatch, ShardPlan
 from accel.data._stream import DISPATCH_NEEDS_STREAM
+from accel.seeding import check_seed
 
 __all__ = ["ShardBatch", "ShardPlan", "ShardedLoader", "gather_for_metrics", "shard_loader"]
 
@@ -70,8 +71,10 @@ def shard_loader(
         mid-epoch.
 
     Raises:
-        TypeError: for a `loader` that is not a torch `DataLoader`.
-        ValueError: for an iterable dataset without a batch size, or `split_batches` with a
+        TypeError: for a `loader` that is not a torch `DataLoader`, or a `seed` that is not an
+            int.
+        ValueError: for a `seed` outside [0, 2**63), an iterable dataset without a batch
+            size, or `split_batches` with a
             batch size that is missing or not divisible by `world_size`.
         NotImplementedError: for `dispatch_batches=True` with a map-style dataset or with
             `split_batches`.
@@ -83,8 +86,7 @@ def shard_loader(
     >>> [b.tolist() for b in shard_loader(ctx, DataLoader(list(range(7)), batch_size=2))]
     [[2, 3], [6, 0]]
     """
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"shard_loader: seed={seed!r} must be an int (or None); e.g. seed=42.")
+    check_seed("shard_loader", seed)
     if not isinstance(loader, DataLoader):
         raise TypeError(
             f"shard_loader: loader={type(loader).__name__} is not a torch DataLoader; wrap the "

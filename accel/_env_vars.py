@@ -1,0 +1,126 @@
+"""The `ACCEL_*` variables: what `accel launch` writes into each worker's environment for
+`init_distributed` to read back (parsed here from a mapping; only `accel.config` and
+`accel.distributed` read `os.environ` itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from types import MappingProxyType
+from typing import Any, cast, get_args
+
+from accel._parallelism import FSDPOptions, Parallelism
+from accel._typing import Precision
+
+ENV_PRECISION = "ACCEL_PRECISION"
+ENV_GRAD_ACCUM = "ACCEL_GRAD_ACCUM_STEPS"
+ENV_SEED = "ACCEL_SEED"
+ENV_DEVICE = "ACCEL_DEVICE"
+ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
+ENV_COMPILE = "ACCEL_COMPILE"
+ENV_FSDP_PREFIX = "ACCEL_FSDP_"
+ENV_MESH = MappingProxyType(
+    {
+        "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
+        "dp_shard": "ACCEL_DP_SHARD_SIZE",
+        "cp": "ACCEL_CP_SIZE",
+        "tp": "ACCEL_TP_SIZE",
+    }
+)
+
+
+def parse_precision(key: str, value: Any) -> Precision:
+    """Map a precision setting (accel's or Accelerate's spelling) to a `Precision`."""
+    # YAML reads a bare `no` as False, which is how Accelerate's files spell "no mixed precision".
+    text = "fp32" if value is False or value in ("no", "fp32", None) else value
+    if text not in get_args(Precision):
+        raise ValueError(
+            f"config: {key}={value!r} is not a precision; expected one of "
+            f"{get_args(Precision)} (or Accelerate's 'no'). Example: mixed_precision: bf16"
+        )
+    return cast(Precision, text)
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Return the RunContext settings found in `environ`, each with its source label."""
+    found: dict[str, tuple[Any, str]] = {}
+    if ENV_PRECISION in environ:
+        found["precision"] = (
+            parse_precision(ENV_PRECISION, environ[ENV_PRECISION]),
+            f"env {ENV_PRECISION}",
+        )
+    if ENV_DEVICE in environ:
+        found["device"] = (environ[ENV_DEVICE], f"env {ENV_DEVICE}")
+    for var, name in ((ENV_GRAD_ACCUM, "grad_accum_steps"), (ENV_SEED, "seed")):
+        if var in environ:
+            try:
+                number = int(environ[var])
+            except ValueError:
+                raise ValueError(
+                    f"init_distributed: {var}={environ[var]!r} must be an integer."
+                ) from None
+            found[name] = (number, f"env {var}")
+    mesh_vars = {dim: var for dim, var in ENV_MESH.items() if var in environ}
+    if mesh_vars:
+        sizes = {}
+        for dim, var in mesh_vars.items():
+            try:
+                sizes[dim] = int(environ[var])
+            except ValueError:
+                raise ValueError(
+                    f"init_distributed: {var}={environ[var]!r} must be an integer >= 1 or -1."
+                ) from None
+        source = "env " + ", ".join(mesh_vars.values())
+        found["parallelism"] = (Parallelism(**sizes), source)
+    fsdp_vars = sorted(k for k in environ if k.startswith(ENV_FSDP_PREFIX))
+    if fsdp_vars:
+        found["fsdp"] = (_fsdp_from_env(environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
+    if ENV_COMPILE in environ:
+        text = environ[ENV_COMPILE].lower()
+        if text not in ("false", "true", "regional"):
+            raise ValueError(
+                f"init_distributed: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true "
+                "or regional."
+            )
+        mode = {"false": False, "true": True}.get(text, "regional")
+        found["compile"] = (mode, f"env {ENV_COMPILE}")
+    return found
+
+
+def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
+    known = {f.name: f.type for f in fields(FSDPOptions)}
+    values: dict[str, Any] = {}
+    for var in names:
+        name = var.removeprefix(ENV_FSDP_PREFIX).lower()
+        text = environ[var]
+        if name not in known:
+            raise ValueError(
+                f"init_distributed: {var} names no FSDPOptions field; expected "
+                f"{ENV_FSDP_PREFIX}<one of {sorted(known)}> (upper case)."
+            )
+        if name == "layer_classes":
+            values[name] = tuple(n.strip() for n in text.split(",") if n.strip())
+        elif name.endswith("_dtype"):
+            values[name] = text
+        elif text.lower() in ("true", "false"):
+            values[name] = text.lower() == "true"
+        else:
+            raise ValueError(f"init_distributed: {var}={text!r} must be true or false.")
+    return FSDPOptions(**values)
+
+
+def fsdp_environment(options: FSDPOptions) -> dict[str, str]:
+    """The `ACCEL_FSDP_*` variables that carry `options` to `init_distributed` in a worker."""
+    env: dict[str, str] = {}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name == "layer_classes":
+            text = ",".join(c if isinstance(c, str) else c.__name__ for c in value)
+        elif f.name.endswith("_dtype"):
+            text = "" if value is None else str(value).removeprefix("torch.")
+        else:
+            text = str(value).lower()
+        if text:
+            env[ENV_FSDP_PREFIX + f.name.upper()] = text
+    return env
