@@ -38,10 +38,11 @@ from accel.checkpoint._model_io import (
     split_shards,
 )
 from accel.checkpoint._safetensors_io import read_file, write_file
+from accel.checkpoint._sharded_io import load_sharded
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel._dtensor import has_dtensors
+from accel.parallel._dtensor import has_dtensors, is_sharded
 
 __all__ = [
     "CheckpointHandle",
@@ -224,11 +225,15 @@ def load_checkpoint_in_model(
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
+    inner = unwrap_model(model)
+    if is_sharded(inner):  # each rank reads only its own slices
+        sums = {p: _atomic.expected(manifest, p.name) if manifest else None for p in files.files}
+        cpu = device or torch.device("cpu")
+        return LoadResult(*load_sharded(fn, inner, files, sums, device=cpu, strict=strict))
     loaded: dict[str, torch.Tensor] = {}
     for path in files.files:
         expect = _atomic.expected(manifest, path.name) if manifest else None
         loaded.update(read_file(fn, path, expect))
-    inner = unwrap_model(model)
     state = check_against_model(fn, inner, loaded, strict=strict)
     if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):
         load_full_state(inner, state, strict=strict)
