@@ -28,17 +28,17 @@ from accel._groups import barrier, require_group
 from accel._size import parse_size
 from accel._version import __version__
 from accel.checkpoint import _atomic, _dcp
-from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME, resolve_checkpoint
+from accel.checkpoint._files import INDEX_NAME, resolve_checkpoint
 from accel.checkpoint._model_io import (
+    FILE_METADATA,
     check_against_model,
     dedupe_tied,
+    file_layout,
     fill,
     load_full_state,
-    shard_name,
-    split_shards,
 )
 from accel.checkpoint._safetensors_io import read_file, write_file
-from accel.checkpoint._sharded_io import load_sharded
+from accel.checkpoint._sharded_io import load_sharded, partial_path, save_sharded
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.context import RunContext
 from accel.parallel import unwrap_model
@@ -87,19 +87,22 @@ def save_model(
     tensors are stored once (under their first name) and `load_checkpoint_in_model` restores
     them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
     (sizes, checksums) is written beside them; other files in `directory` are left alone.
-    FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
-    must call then); otherwise use `save_state`, which saves them sharded.
+    A sharded model (FSDP2, tensor parallel, both) is written without gathering: the files,
+    byte-identical to those of the same model unsharded, are laid out from global shapes and
+    every rank writes its own slices into place, so `directory` must be on a filesystem every
+    rank sees (call it on every rank). `full_state_dict=True` gathers instead.
 
     Args:
         ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
         model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
         directory: the folder to write into; created if missing.
         max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
-        full_state_dict: gather FSDP2 shards to full weights on every rank; default False.
+        full_state_dict: gather a sharded model to full weights on every rank and write from
+            rank 0; default False (each rank writes its slices).
 
     Raises:
-        ValueError: for a bad `max_shard_size`, an FSDP2 model without `full_state_dict=True`,
-            or a tensor on the meta device.
+        ValueError: for a bad `max_shard_size`, or a tensor on the meta device.
+        NotImplementedError: for a sharded model when the ranks do not share `directory`.
 
     Example:
         >>> import tempfile
@@ -112,14 +115,13 @@ def save_model(
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
+    if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
+        tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
+        publish = partial(_publish_model_files, Path(directory), tensors, aliases, max_bytes)
+        save_sharded(ctx, Path(directory), file_layout(tensors, max_bytes), publish)
+        return
     if has_dtensors(state.values()):
-        if not full_state_dict:
-            raise ValueError(
-                f"{fn}: the model is sharded by FSDP2; saving full weights gathers every "
-                "tensor on every rank. Pass full_state_dict=True (on every rank) to do that, or "
-                "save it sharded with accel.save_state(ctx, directory, model=model)."
-            )
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # on use: ~1 s to import
             StateDictOptions,
             get_model_state_dict,
         )
@@ -134,24 +136,30 @@ def save_model(
 
 def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
     tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    shards = split_shards(tensors, max_bytes)
+    _publish_model_files(directory, tensors, aliases, max_bytes, write_file)
+
+
+def _publish_model_files(
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    max_bytes: int,
+    write: Callable[..., tuple[int, int]],
+) -> None:
+    """Write each file with `write(path, tensors=, metadata=)` (a sharded save: all ranks have
+    already written it, and `write` returns its size and checksum), then index and manifest."""
+    layout = file_layout(tensors, max_bytes)
     directory.mkdir(parents=True, exist_ok=True)
-    names = (
-        [SINGLE_NAME]
-        if len(shards) == 1
-        else [shard_name(i, len(shards)) for i in range(len(shards))]
-    )
-    meta = {"format": "pt"}
     entries: dict[str, list[int]] = {}
-    for name, shard in zip(names, shards, strict=True):
+    for name, shard in layout:
         entries[name] = list(
-            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+            _replace_file(directory / name, partial(write, tensors=shard, metadata=FILE_METADATA))
         )
-    if len(shards) > 1:
+    if len(layout) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {
             "metadata": {"total_size": total, "tied": aliases},
-            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+            "weight_map": {k: name for name, shard in layout for k in shard},
         }
         data = json.dumps(index, indent=2).encode()
         entries[INDEX_NAME] = list(
@@ -169,7 +177,7 @@ def _write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_b
 
 
 def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
-    partial = path.with_name(f".{path.name}.partial")
+    partial = partial_path(path)
     result = write(partial)
     partial.replace(path)  # atomic: readers see the old file or the new one, never half
     return result
@@ -194,8 +202,13 @@ def load_checkpoint_in_model(
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
     absolute paths) are refused before any file is opened.
 
+    A sharded model (FSDP2, tensor parallel, both; built under `init_empty_weights` and sharded
+    on meta included) loads slice by slice: call it on every rank; each rank reads only the
+    bytes of its own slices, straight into its local shards, and never holds a full tensor it
+    does not own (the checksums are split across ranks, so verifying costs one read in total).
+
     Args:
-        model: the model to fill, wrapped or not; an FSDP2 model takes each rank's slice.
+        model: the model to fill, wrapped or not; a sharded one takes each rank's slices.
         checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
         device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
             model is filled on the CPU, a real one is loaded where its tensors are.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import nn
 
+from accel.checkpoint._files import SINGLE_NAME
 from accel.parallel._dtensor import is_dtensor, is_sharded
 
 
@@ -62,6 +64,19 @@ def split_shards(
 def shard_name(i: int, n: int) -> str:
     """The Hugging Face shard name: model-00001-of-00003.safetensors."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+FILE_METADATA = MappingProxyType({"format": "pt"})  # what transformers writes and expects
+
+
+def file_layout(
+    tensors: Mapping[str, torch.Tensor], max_bytes: int
+) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """(file name, tensors) of each file `save_model` writes, in order; sizes from global shapes."""
+    shards = split_shards(tensors, max_bytes)
+    if len(shards) == 1:
+        return [(SINGLE_NAME, shards[0])]
+    return [(shard_name(i, len(shards)), shard) for i, shard in enumerate(shards)]
 
 
 def check_against_model(

@@ -20,7 +20,7 @@ import itertools
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._groups import barrier, require_group
 from accel.checkpoint._crc32 import combine
 from accel.checkpoint._files import CheckpointFiles
-from accel.checkpoint._model_io import check_against_model
+from accel.checkpoint._model_io import FILE_METADATA, check_against_model
 from accel.checkpoint._safetensors_io import DTYPES, CorruptFileError
 from accel.checkpoint._safetensors_io import _header as header_bytes
+from accel.context import RunContext
 from accel.parallel._dtensor import is_dtensor
 
 # A contiguous byte run: (offset in the tensor's bytes in the file, offset in the local slice,
@@ -52,7 +54,7 @@ def local_indices(t: torch.Tensor) -> list[torch.Tensor]:
     coordinate = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
     assert coordinate is not None, "a rank outside the mesh holds no slice"
     for axis, placement in enumerate(t.placements):  # type: ignore[attr-defined]
-        if not placement.is_shard():
+        if not _is_split(placement):
             continue  # Replicate / Partial: the whole dim
         num = t.device_mesh.size(axis)  # type: ignore[attr-defined]
         dim = placement.dim
@@ -75,8 +77,15 @@ def owns_copy(t: torch.Tensor) -> bool:
     return all(
         c == 0
         for c, p in zip(coordinate, t.placements, strict=True)  # type: ignore[attr-defined]
-        if not p.is_shard()
+        if not _is_split(p)
     )
+
+
+def _is_split(placement: Any) -> bool:
+    # _StridedShard (FSDP2 over tensor parallel) answers is_shard() False: ask by type.
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return isinstance(placement, Shard | _StridedShard)
 
 
 def _spans(index: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -361,12 +370,12 @@ def presize(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[s
 
 
 def write_slices(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, is_main: bool
 ) -> None:
     """Write this rank's slices of `tensors` into the pre-sized `path`, and fsync them.
 
     A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
-    by rank 0 of the default group.
+    by the main rank.
     """
     start = len(header_bytes(tensors, metadata))
     fd = os.open(path, os.O_WRONLY)
@@ -374,7 +383,7 @@ def write_slices(
         offset = start
         for t in tensors.values():
             nbytes = t.numel() * t.element_size()
-            for file_at, view in _slices_to_write(t):
+            for file_at, view in _slices_to_write(t, is_main):
                 os.pwritev(fd, [view], offset + file_at)
             offset += nbytes
         os.fsync(fd)
@@ -382,13 +391,13 @@ def write_slices(
         os.close(fd)
 
 
-def _slices_to_write(t: torch.Tensor) -> Iterator[tuple[int, memoryview]]:
+def _slices_to_write(t: torch.Tensor, is_main: bool) -> Iterator[tuple[int, memoryview]]:
     if is_dtensor(t):
         if not owns_copy(t):
             return
         local, indices = t.to_local().detach().cpu().contiguous(), local_indices(t)
     else:
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if not is_main:
             return
         local = t.detach().cpu().contiguous()
         indices = [torch.arange(n) for n in t.shape]
@@ -397,3 +406,54 @@ def _slices_to_write(t: torch.Tensor) -> Iterator[tuple[int, memoryview]]:
     view = _as_buffer(local)
     for file_at, local_at, length in _merge(byte_runs(list(t.shape), indices, t.element_size())):
         yield file_at, view[local_at : local_at + length]
+
+
+def partial_path(path: Path) -> Path:
+    """The hidden name a file is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def save_sharded(
+    ctx: RunContext,
+    directory: Path,
+    layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    publish: Callable[[Callable[..., tuple[int, int]]], None],
+) -> None:
+    """Write a sharded model's files, every rank its own slices, then publish them on rank 0.
+
+    Rank 0 creates each file under its partial name with the header (from global shapes) and
+    its full size; every rank writes its slices in place and fsyncs; the checksums are split
+    across ranks; rank 0 calls `publish(write)`, whose `write` returns the computed (size,
+    crc32) of a file already written, renames files into place and writes index and manifest.
+    """
+    fn = "save_model"
+    group = require_group(ctx, fn) if ctx.world_size > 1 else None
+    paths = [partial_path(directory / name) for name, _ in layout]
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, (_, tensors) in zip(paths, layout, strict=True):
+            presize(path, tensors, FILE_METADATA)
+    barrier(ctx, fn)
+    _require_shared_files(ctx, fn, directory, paths, group)
+    for path, (_, tensors) in zip(paths, layout, strict=True):
+        write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
+    barrier(ctx, fn)
+    sums = dict(zip(paths, split_checksums(paths, group), strict=True))
+    if ctx.is_main:
+        publish(lambda path, **_: sums[path])
+    barrier(ctx, fn)
+
+
+def _require_shared_files(
+    ctx: RunContext, fn: str, directory: Path, paths: Sequence[Path], group: Any
+) -> None:
+    seen = all(p.is_file() for p in paths)
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, seen, group=group)
+    if not all(everyone):
+        lost = [r for r, ok in enumerate(everyone) if not ok]
+        raise NotImplementedError(
+            f"{fn}: directory={str(directory)!r} is not shared: ranks {lost} do not see the "
+            "files rank 0 created there, and streaming a sharded model to rank 0 is not "
+            "implemented. Save to a filesystem every rank mounts, or pass full_state_dict=True."
+        )

@@ -194,3 +194,63 @@ def test_sharded_load_peak_memory_is_one_slice_not_the_model(tmp_path: Path, kin
     # The rank's own 1/N is allocated before the measurement, so the growth allowed while
     # loading is the largest tensor slice plus the allowance: far below the 64 MiB model.
     assert max(peaks) <= largest_slice + allowance, (peaks, model_bytes)
+
+
+def _fsdp2_tp(model: nn.Module) -> nn.Module:
+    """Tensor parallel on the inner mesh axis, FSDP2 on the outer (torch's 2-D recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)  # type: ignore[arg-type]
+    for layer in (model.up, model.down, model.head):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import Shard
+
+    model = _tiny(seed=3)
+    if kind == "fsdp2":
+        model = _fsdp2(model)
+    elif kind == "fsdp2xtp":
+        model = _fsdp2_tp(model)
+    else:
+        model = _tp(model, (Shard(1), Shard(0)))
+    reference = _full(model)
+    accel.save_model(ctx, model, f"{root}/{kind}", max_shard_size=200)
+    if kind == "fsdp2xtp":  # and load it back into the 2-D model
+        again = _fsdp2_tp(_tiny(seed=9))
+        accel.load_checkpoint_in_model(again, f"{root}/{kind}")
+        assert all(torch.equal(v, reference[k]) for k, v in _full(again).items())
+    return reference
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kind"), [(2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "fsdp2xtp")]
+)
+def test_sharded_save_model_files_equal_the_unsharded_save(
+    tmp_path: Path, world_size: int, kind: str
+) -> None:
+    results = run_world(_save_sharded, world_size=world_size, timeout=TIMEOUT,
+                        args=(str(tmp_path), kind))  # fmt: skip
+    unsharded = Tiny()
+    unsharded.load_state_dict(results[0])
+    accel.save_model(RunContext.single(), unsharded, tmp_path / "plain", max_shard_size=200)
+    sharded = tmp_path / kind
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert sorted(p.name for p in sharded.iterdir()) == names  # no partial files left behind
+    assert any(n.startswith("model-00002-of-") for n in names)
+    for name in names:
+        assert (sharded / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    for shard in sharded.glob("*.safetensors"):  # and plain safetensors reads them
+        for k, v in load_file(shard).items():
+            assert torch.equal(v, results[0][k])
