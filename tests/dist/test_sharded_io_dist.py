@@ -254,3 +254,30 @@ def test_sharded_save_model_files_equal_the_unsharded_save(
     for shard in sharded.glob("*.safetensors"):  # and plain safetensors reads them
         for k, v in load_file(shard).items():
             assert torch.equal(v, results[0][k])
+
+
+def _save_state_sharded(ctx: RunContext, directory: str) -> dict[str, torch.Tensor]:
+    model = _fsdp2(_tiny(seed=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.up(torch.randn(3, 6)).square().mean().backward()  # up is its own FSDP2 unit
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    accel.save_state(ctx, directory, model=model, optimizer=opt)
+    return _full(model)
+
+
+def test_merge_weights_of_a_sharded_checkpoint_loads_with_equal_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from accel.cli import main
+
+    src, dst = tmp_path / "state", tmp_path / "merged"
+    trained = run_world(_save_state_sharded, world_size=2, timeout=TIMEOUT, args=(str(src),))[0]
+    assert main(["merge-weights", str(src), str(dst), "--max-shard-size", "200"]) == 0
+    assert (dst / "model.safetensors.index.json").is_file()
+    model = Tiny()
+    assert accel.load_checkpoint_in_model(model, dst) == accel.LoadResult([], [])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    assert main(["merge-weights", str(dst), str(tmp_path / "x")]) == 2  # not a DCP checkpoint
+    assert "merge-weights: error: " in capsys.readouterr().err
