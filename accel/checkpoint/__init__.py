@@ -393,7 +393,9 @@ def load_state(
 
     Refuses a directory with no manifest, and any file whose size or checksum differs from the
     manifest (naming it). FSDP2 state loads at any world size. Call it on every rank. A rank
-    with no saved RNG state (saved by fewer ranks) warns and keeps its own.
+    with no saved RNG state (saved by fewer ranks) is seeded from the run seed
+    (`set_seed(ctx.seed, ctx=ctx)`), or warns and keeps its own when `ctx.seed` is None; the
+    states of ranks that no longer exist are not used.
 
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.

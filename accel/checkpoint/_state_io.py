@@ -30,7 +30,7 @@ from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import is_sharded
-from accel.seeding import get_rng_state, set_rng_state
+from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 RNG = "rng"
 GRADS = "grads"
@@ -330,11 +330,15 @@ def _restore_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, 
 
     stem = f"{RNG}/rank{ctx.rank}"
     if _atomic.expected(manifest, f"{stem}.json") is None:
+        if ctx.seed is not None:  # a rank the saved run did not have: seeded from the run seed
+            set_seed(ctx.seed, ctx=ctx)
+            return
         import warnings
 
         warnings.warn(
             f"{fn}: {str(directory)!r} was saved by {manifest.get('world_size')} ranks and has "
-            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state.",
+            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state. Give the "
+            "run a seed (init_distributed(seed=...)) to seed such ranks from it.",
             stacklevel=3,
         )
         return

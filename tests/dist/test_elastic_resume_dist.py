@@ -117,3 +117,23 @@ def test_a_changed_global_batch_is_refused_with_its_three_numbers() -> None:
     first = next(iter(matching))[0]
     reference = _loader(RunContext(rank=1, world_size=2, grad_accum_steps=2))
     assert torch.equal(first, list(reference)[6][0])  # the batch the uninterrupted run takes
+
+
+def _load_rng_at_two(ctx: RunContext, directory: str) -> int:
+    import warnings
+
+    ctx = dataclasses.replace(ctx, seed=30)
+    torch.manual_seed(999)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accel.load_state(ctx, directory, steps=Steps())
+    return torch.initial_seed()
+
+
+@pytest.mark.dist
+def test_a_rank_the_saved_run_did_not_have_is_seeded_from_the_run_seed(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    accel.save_state(RunContext.single(), tmp_path / "state", steps=Steps())
+    seeds = run_world(_load_rng_at_two, world_size=2, timeout=TIMEOUT,
+                      args=(str(tmp_path / "state"),))  # fmt: skip
+    assert seeds == [7, 31]  # rank 0 restored its saved state; rank 1 = seed 30 + rank 1
