@@ -179,21 +179,39 @@ def _load_peak(ctx: RunContext, checkpoint: str, kind: str) -> int:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().fill_(0)
-    return _peak_during(lambda: accel.load_checkpoint_in_model(model, checkpoint))
+    loading = _peak_during(lambda: accel.load_checkpoint_in_model(model, checkpoint))
+    saving = _peak_during(lambda: accel.save_model(ctx, model, f"{checkpoint}-{kind}-saved"))
+    return loading, saving
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "tp-columns"])
-def test_sharded_load_peak_memory_is_one_slice_not_the_model(tmp_path: Path, kind: str) -> None:
+def test_sharded_load_and_save_peak_memory_is_one_slice_not_the_model(
+    tmp_path: Path, kind: str
+) -> None:
     torch.manual_seed(0)
-    accel.save_model(RunContext.single(), Stack(), tmp_path, max_shard_size="16MB")
+    source = tmp_path / "hf"
+    accel.save_model(RunContext.single(), Stack(), source, max_shard_size="16MB")
     world_size = 4
     peaks = run_world(_load_peak, world_size=world_size, timeout=TIMEOUT,
-                      args=(str(tmp_path), kind))  # fmt: skip
+                      args=(str(source), kind))  # fmt: skip
     model_bytes, largest_slice = 64 << 20, (4 << 20) // world_size
-    allowance = 4 << 20  # Python objects, headers, the index; measured under 1 MiB
+    allowance = 4 << 20  # Python objects, headers, a 1 MiB checksum buffer
     # The rank's own 1/N is allocated before the measurement, so the growth allowed while
-    # loading is the largest tensor slice plus the allowance: far below the 64 MiB model.
-    assert max(peaks) <= largest_slice + allowance, (peaks, model_bytes)
+    # loading is the largest tensor slice plus the allowance, and while saving one tensor
+    # plus the allowance: far below the 64 MiB model.
+    assert max(p[0] for p in peaks) <= largest_slice + allowance, (peaks, model_bytes)
+    assert max(p[1] for p in peaks) <= (4 << 20) + allowance, (peaks, model_bytes)
+    plain = tmp_path / "plain"
+    accel.save_model(RunContext.single(), _stack_from(source), plain)
+    saved = Path(f"{source}-{kind}-saved") / "model.safetensors"
+    assert saved.read_bytes() == (plain / "model.safetensors").read_bytes()
+    print(f"peak growth per rank (MiB), load / save: {[(a >> 20, b >> 20) for a, b in peaks]}")
+
+
+def _stack_from(checkpoint: Path) -> nn.Module:
+    model = Stack()
+    accel.load_checkpoint_in_model(model, checkpoint)
+    return model
 
 
 def _fsdp2_tp(model: nn.Module) -> nn.Module:
