@@ -17,6 +17,8 @@ checkpoint costs one read of it in total, not one per rank.
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import os
 import struct
 import zlib
@@ -161,8 +163,6 @@ def _as_buffer(t: torch.Tensor) -> memoryview:
 
 def read_header(fn: str, path: Path) -> tuple[int, dict[str, Any]]:
     """(first data byte, header) of a safetensors file, reading only the header."""
-    import json
-
     with open(path, "rb") as f:
         head = f.read(8)
         size = os.fstat(f.fileno()).st_size
@@ -253,6 +253,12 @@ class _Entry:
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(f"{fn}: {str(path)!r}: entry {name!r} is malformed.") from None
         self.path, self.offset, self.nbytes = path, start + begin, end - begin
+        if not 0 <= begin <= end or self.nbytes != math.prod(self.shape) * self.dtype.itemsize:
+            raise CorruptFileError(
+                f"{fn}: {str(path)!r} is not a valid safetensors file (tensor {name!r} has "
+                f"data_offsets {[begin, end]} for shape {self.shape}); it is corrupt. Save it "
+                "again."
+            )
 
     @property
     def meta(self) -> torch.Tensor:
