@@ -90,6 +90,9 @@ def _load_checks(ctx: RunContext, checkpoint: str) -> dict[str, Any]:
             model = _tp(_tiny(seed=1), spec)
             accel.load_checkpoint_in_model(model, checkpoint)
             results[f"tp {spec}"] = _full(model)
+        both = _fsdp2_tp(_tiny(seed=1))  # FSDP2 over tensor parallel: _StridedShard rows
+        accel.load_checkpoint_in_model(both, checkpoint)
+        results["fsdp2 x tp"] = _full(both)
     return results
 
 
