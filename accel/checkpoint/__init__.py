@@ -89,8 +89,9 @@ def save_model(
     (sizes, checksums) is written beside them; other files in `directory` are left alone.
     A sharded model (FSDP2, tensor parallel, both) is written without gathering: the files,
     byte-identical to those of the same model unsharded, are laid out from global shapes and
-    every rank writes its own slices into place, so `directory` must be on a filesystem every
-    rank sees (call it on every rank). `full_state_dict=True` gathers instead.
+    every rank writes its own slices into place (call it on every rank); where the ranks do
+    not share `directory`'s filesystem, the tensors are streamed to rank 0 one at a time.
+    `full_state_dict=True` gathers the whole model instead.
 
     Args:
         ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
@@ -102,7 +103,6 @@ def save_model(
 
     Raises:
         ValueError: for a bad `max_shard_size`, or a tensor on the meta device.
-        NotImplementedError: for a sharded model when the ranks do not share `directory`.
 
     Example:
         >>> import tempfile

@@ -425,12 +425,14 @@ def save_sharded(
     layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
     publish: Callable[[Callable[..., tuple[int, int]]], None],
 ) -> None:
-    """Write a sharded model's files, every rank its own slices, then publish them on rank 0.
+    """Write a sharded model's files without gathering it, then publish them on rank 0.
 
     Rank 0 creates each file under its partial name with the header (from global shapes) and
-    its full size; every rank writes its slices in place and fsyncs; the checksums are split
-    across ranks; rank 0 calls `publish(write)`, whose `write` returns the computed (size,
-    crc32) of a file already written, renames files into place and writes index and manifest.
+    its full size. When every rank sees those files (a shared filesystem), every rank writes
+    its slices in place and fsyncs, and the checksums are split across ranks; otherwise the
+    tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
+    `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
+    renames into place, index and manifest.
     """
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
@@ -440,26 +442,48 @@ def save_sharded(
         for path, (_, tensors) in zip(paths, layout, strict=True):
             presize(path, tensors, FILE_METADATA)
     barrier(ctx, fn)
-    _require_shared_files(ctx, fn, directory, paths, group)
-    for path, (_, tensors) in zip(paths, layout, strict=True):
-        write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
-    barrier(ctx, fn)
-    sums = dict(zip(paths, split_checksums(paths, group), strict=True))
+    if _is_shared(ctx, paths, group):
+        for path, (_, tensors) in zip(paths, layout, strict=True):
+            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
+        barrier(ctx, fn)
+        sums = dict(zip(paths, split_checksums(paths, group), strict=True))
+    else:
+        sums = _stream_to_main(ctx, paths, layout)
     if ctx.is_main:
         publish(lambda path, **_: sums[path])
     barrier(ctx, fn)
 
 
-def _require_shared_files(
-    ctx: RunContext, fn: str, directory: Path, paths: Sequence[Path], group: Any
-) -> None:
+def _is_shared(ctx: RunContext, paths: Sequence[Path], group: Any) -> bool:
+    """True when every rank sees the files rank 0 created (one filesystem for all)."""
     seen = all(p.is_file() for p in paths)
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, seen, group=group)
-    if not all(everyone):
-        lost = [r for r, ok in enumerate(everyone) if not ok]
-        raise NotImplementedError(
-            f"{fn}: directory={str(directory)!r} is not shared: ranks {lost} do not see the "
-            "files rank 0 created there, and streaming a sharded model to rank 0 is not "
-            "implemented. Save to a filesystem every rank mounts, or pass full_state_dict=True."
-        )
+    return all(everyone)
+
+
+def _stream_to_main(
+    ctx: RunContext, paths: Sequence[Path], layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]]
+) -> dict[Path, tuple[int, int]]:
+    """Ranks without the files: gather one tensor at a time (`full_tensor`, a collective every
+    rank joins), which rank 0 writes in place. Return each file's (size, crc32)."""
+    sums = {}
+    for path, (_, tensors) in zip(paths, layout, strict=True):
+        head = header_bytes(tensors, FILE_METADATA)
+        crc, offset = zlib.crc32(head), len(head)
+        fd = os.open(path, os.O_WRONLY) if ctx.is_main else -1
+        try:
+            for t in tensors.values():
+                whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
+                if ctx.is_main and whole.numel():
+                    data = _as_buffer(whole.detach().cpu().contiguous())
+                    os.pwrite(fd, data, offset)
+                    crc, offset = zlib.crc32(data, crc), offset + len(data)
+                del whole
+            if ctx.is_main:
+                os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        sums[path] = (offset, crc)
+    return sums

@@ -242,11 +242,15 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
     model = _tiny(seed=3)
     if kind == "fsdp2":
         model = _fsdp2(model)
-    elif kind == "fsdp2xtp":
+    elif kind.startswith("fsdp2xtp"):
         model = _fsdp2_tp(model)
     else:
         model = _tp(model, (Shard(1), Shard(0)))
     reference = _full(model)
+    if kind == "fsdp2xtp-unshared":  # as if the ranks did not share the filesystem
+        from accel.checkpoint import _sharded_io
+
+        _sharded_io._is_shared = lambda *args: False  # type: ignore[assignment]
     accel.save_model(ctx, model, f"{root}/{kind}", max_shard_size=200)
     if kind == "fsdp2xtp":  # and load it back into the 2-D model
         again = _fsdp2_tp(_tiny(seed=9))
@@ -256,7 +260,8 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
 
 
 @pytest.mark.parametrize(
-    ("world_size", "kind"), [(2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "fsdp2xtp")]
+    ("world_size", "kind"),
+    [(2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "fsdp2xtp"), (4, "fsdp2xtp-unshared")],
 )
 def test_sharded_save_model_files_equal_the_unsharded_save(
     tmp_path: Path, world_size: int, kind: str
