@@ -217,7 +217,8 @@ def test_resume_mid_epoch_yields_the_rest_without_loading_skipped_samples() -> N
     it = iter(first)
     head = [next(it).tolist() for _ in range(4)]
     state = first.state_dict()
-    assert state == {"epoch": 1, "position": 4, "world_size": 2, "dataset_length": 50, "seed": 5}
+    assert state == {"epoch": 1, "position": 4, "world_size": 2, "dataset_length": 50, "seed": 5,
+                     "samples": 4 * 2 * 3, "batch_size": 3, "grad_accum_steps": 1}  # fmt: skip
     ds = Counting(50)
     resumed = make(ds)
     resumed.load_state_dict(state)
@@ -265,9 +266,8 @@ def test_state_from_another_world_or_dataset_is_refused() -> None:
     other = accel.shard_loader(
         RunContext(rank=0, world_size=4), DataLoader(list(range(10)), batch_size=2)
     )
-    with pytest.raises(
-        ValueError, match="saved with world_size=2 but this loader has world_size=4"
-    ):
+    with pytest.raises(ValueError, match=r"global batch changed: saved with per-rank batch 2 x "
+                       r"world size 2 x grad_accum_steps 1, resumed with 2 x 4 x 1"):  # fmt: skip
         other.load_state_dict(state)
     shorter = accel.shard_loader(
         RunContext(rank=0, world_size=2), DataLoader(list(range(9)), batch_size=2)

@@ -29,15 +29,19 @@ from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._files import resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
+    dedupe_tied,
+    file_layout,
     fill,
     load_full_state,
+    publish_model_files,
     write_model_files,
 )
 from accel.checkpoint._safetensors_io import read_file
+from accel.checkpoint._sharded_io import load_sharded, save_sharded
 from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel._dtensor import has_dtensors
+from accel.parallel._dtensor import has_dtensors, is_sharded
 
 __all__ = [
     "CheckpointHandle",
@@ -83,19 +87,22 @@ def save_model(
     them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
     (sizes, checksums) is written beside them. `save_model`'s own files of an earlier save in
     another layout (shards, index, single file) are removed; other files are left alone.
-    FSDP2 models are gathered to full weights only with `full_state_dict=True` (every rank
-    must call then); otherwise use `save_state`, which saves them sharded.
+    A sharded model (FSDP2, tensor parallel, both) is written without gathering: the files,
+    byte-identical to those of the same model unsharded, are laid out from global shapes and
+    every rank writes its own slices into place (call it on every rank); where the ranks do
+    not share `directory`'s filesystem, the tensors are streamed to rank 0 one at a time.
+    `full_state_dict=True` gathers the whole model instead.
 
     Args:
         ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
         model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
         directory: the folder to write into; created if missing.
         max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
-        full_state_dict: gather FSDP2 shards to full weights on every rank; default False.
+        full_state_dict: gather a sharded model to full weights on every rank and write from
+            rank 0; default False (each rank writes its slices).
 
     Raises:
-        ValueError: for a bad `max_shard_size`, an FSDP2 model without `full_state_dict=True`,
-            or a tensor on the meta device.
+        ValueError: for a bad `max_shard_size`, or a tensor on the meta device.
 
     Example:
         >>> import tempfile
@@ -109,14 +116,13 @@ def save_model(
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
+    if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
+        tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
+        publish = partial(publish_model_files, Path(directory), tensors, aliases, max_bytes)
+        save_sharded(ctx, Path(directory), file_layout(tensors, max_bytes), publish)
+        return
     if has_dtensors(state.values()):
-        if not full_state_dict:
-            raise ValueError(
-                f"{fn}: the model is sharded by FSDP2; saving full weights gathers every "
-                "tensor on every rank. Pass full_state_dict=True (on every rank) to do that, or "
-                "save it sharded with accel.save_state(ctx, directory, model=model)."
-            )
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # on use: ~1 s to import
             StateDictOptions,
             get_model_state_dict,
         )
@@ -156,8 +162,13 @@ def load_checkpoint_in_model(
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
     absolute paths) are refused before any file is opened.
 
+    A sharded model (FSDP2, tensor parallel, both; built under `init_empty_weights` and sharded
+    on meta included) loads slice by slice: call it on every rank; each rank reads only the
+    bytes of its own slices, straight into its local shards, and never holds a full tensor it
+    does not own (the checksums are split across ranks, so verifying costs one read in total).
+
     Args:
-        model: the model to fill, wrapped or not; an FSDP2 model takes each rank's slice.
+        model: the model to fill, wrapped or not; a sharded one takes each rank's slices.
         checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
         device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
             model is filled on the CPU, a real one is loaded where its tensors are.
@@ -188,11 +199,15 @@ def load_checkpoint_in_model(
     files = resolve_checkpoint(fn, checkpoint)
     manifest_path = files.files[0].parent / _atomic.MANIFEST
     manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
+    inner = unwrap_model(model)
+    if is_sharded(inner):  # each rank reads only its own slices
+        sums = {p: _atomic.expected(manifest, p.name) if manifest else None for p in files.files}
+        cpu = device or torch.device("cpu")
+        return LoadResult(*load_sharded(fn, inner, files, sums, device=cpu, strict=strict))
     loaded: dict[str, torch.Tensor] = {}
     for path in files.files:
         expect = _atomic.expected(manifest, path.name) if manifest else None
         loaded.update(read_file(fn, path, expect))
-    inner = unwrap_model(model)
     state = check_against_model(fn, inner, loaded, strict=strict)
     if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):
         load_full_state(inner, state, strict=strict)
@@ -360,7 +375,9 @@ def load_state(
     Refuses a directory with no manifest, and any file whose size, checksum or header is wrong
     (naming it). Every file is verified before any object or RNG state changes, so a failed
     load leaves them as they were. FSDP2 state loads at any world size. Call it on every rank.
-    A rank with no saved RNG state (saved by fewer ranks) warns and keeps its own.
+    A rank with no saved RNG state (saved by fewer ranks) is seeded from the run seed
+    (`set_seed(ctx.seed, ctx=ctx)`), or warns and keeps its own when `ctx.seed` is None; the
+    states of ranks that no longer exist are not used.
 
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.

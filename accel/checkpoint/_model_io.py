@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -73,6 +74,24 @@ def split_shards(
 def shard_name(i: int, n: int) -> str:
     """The Hugging Face shard name: model-00001-of-00003.safetensors."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+FILE_METADATA = MappingProxyType({"format": "pt"})  # what transformers writes and expects
+
+
+def file_layout(
+    tensors: Mapping[str, torch.Tensor], max_bytes: int
+) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """(file name, tensors) of each file `save_model` writes, in order; sizes from global shapes."""
+    shards = split_shards(tensors, max_bytes)
+    if len(shards) == 1:
+        return [(SINGLE_NAME, shards[0])]
+    return [(shard_name(i, len(shards)), shard) for i, shard in enumerate(shards)]
+
+
+def partial_path(path: Path) -> Path:
+    """The hidden name a file is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.partial")
 
 
 def check_against_model(
@@ -168,26 +187,36 @@ def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
 
 
 def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
-    """Write the Hugging Face layout, its manifest, and remove this layout's stale files."""
+    """Write the Hugging Face layout of a full state from this process, then publish it."""
     tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    shards = split_shards(tensors, max_bytes)
+    publish_model_files(directory, tensors, aliases, max_bytes, write_file)
+
+
+def publish_model_files(
+    directory: Path,
+    tensors: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    max_bytes: int,
+    write: Callable[..., tuple[int, int]],
+) -> None:
+    """Write each file with `write(path, tensors=, metadata=)`, then the index and manifest, and
+    remove this layout's stale files.
+
+    `write` returns the file's (size, crc32). A sharded save or `merge-weights` has already
+    written every file under its `partial_path`, and passes a `write` that only reports them.
+    """
+    layout = file_layout(tensors, max_bytes)
     directory.mkdir(parents=True, exist_ok=True)
-    names = (
-        [SINGLE_NAME]
-        if len(shards) == 1
-        else [shard_name(i, len(shards)) for i in range(len(shards))]
-    )
-    meta = {"format": "pt"}
     entries: dict[str, list[int]] = {}
-    for name, shard in zip(names, shards, strict=True):
+    for name, shard in layout:
         entries[name] = list(
-            _replace_file(directory / name, partial(write_file, tensors=shard, metadata=meta))
+            _replace_file(directory / name, partial(write, tensors=shard, metadata=FILE_METADATA))
         )
-    if len(shards) > 1:
+    if len(layout) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {
-            "metadata": {"total_size": total, "tied": aliases},
-            "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
+            "metadata": {"total_size": total, "tied": dict(aliases)},
+            "weight_map": {k: name for name, shard in layout for k in shard},
         }
         data = json.dumps(index, indent=2).encode()
         entries[INDEX_NAME] = list(
@@ -212,7 +241,7 @@ def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_by
 
 
 def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
-    partial = path.with_name(f".{path.name}.partial")
-    result = write(partial)
-    partial.replace(path)  # atomic: readers see the old file or the new one, never half
+    hidden = partial_path(path)
+    result = write(hidden)
+    hidden.replace(path)  # atomic: readers see the old file or the new one, never half
     return result

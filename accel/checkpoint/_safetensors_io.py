@@ -49,7 +49,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
+def header_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -121,7 +121,7 @@ def start_write(
     Returns before the checksum of the last chunks is done, so that the caller's fsync (the
     disk's time) overlaps with it.
     """
-    views = [memoryview(_header(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
+    views = [memoryview(header_bytes(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
     crc = _Checksum()
     size = 0
     try:

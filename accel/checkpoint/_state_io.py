@@ -32,7 +32,7 @@ from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import is_sharded
-from accel.seeding import get_rng_state, set_rng_state
+from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 RNG = "rng"
 GRADS = "grads"
@@ -323,14 +323,17 @@ def load(
     if plan.dcp_models:
         models = dict(plan.dcp_models)
         _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
-    if rng is None:
+    if rng is not None:
+        set_rng_state(rng)
+    elif ctx.seed is not None:  # a rank the saved run did not have: seeded from the run seed
+        set_seed(ctx.seed, ctx=ctx)
+    else:
         warnings.warn(
             f"{fn}: {str(directory)!r} was saved by {manifest.get('world_size')} ranks and has "
-            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state.",
+            f"no RNG state for rank {ctx.rank}; this rank keeps its current RNG state. Give the "
+            "run a seed (init_distributed(seed=...)) to seed such ranks from it.",
             stacklevel=3,
         )
-    else:
-        set_rng_state(rng)
     return manifest
 
 

@@ -1,4 +1,4 @@
-"""The `accel` command: config, launch, env, test, estimate-memory.
+"""The `accel` command: config, launch, env, test, estimate-memory, merge-weights.
 
 Every subcommand turns a bad argument, config key or path into one line on stderr and exit
 code 2, with no traceback; failures of the launched script exit with code 1.

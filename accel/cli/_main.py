@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from accel.cli import _config_cmd, _env, _estimate, _launch, _selftest
+from accel.cli import _config_cmd, _env, _estimate, _launch, _merge, _selftest
 
 # Errors that mean "the user asked for something invalid": reported in one line.
 _USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError, PermissionError, EOFError)
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch and inspect accel training runs (built on torch.distributed.run).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (_config_cmd, _launch, _env, _selftest, _estimate):
+    for module in (_config_cmd, _launch, _env, _selftest, _estimate, _merge):
         module.add_parser(commands)
     return parser
 

@@ -262,32 +262,53 @@ class ShardedLoader:
             return None
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch and position (plain ints), plus what a resumed run must match."""
+        """Epoch and position (plain ints), plus what a resumed run must match.
+
+        `samples` is the position in samples of the epoch taken by all ranks together, and
+        `batch_size`, `world_size`, `grad_accum_steps` make the global batch: what a resume at
+        another world size needs (see `load_state_dict`).
+        """
         state: dict[str, Any] = {
             "epoch": self.epoch,
             "position": self.position,
             "world_size": self.plan.world_size,
             "dataset_length": self._dataset_length(),
             "seed": self._seed,
+            "samples": self.plan.samples_before(self.position),
+            "batch_size": self.plan.rank_batch_size,
+            "grad_accum_steps": self._ctx.grad_accum_steps,
         }
         if self._stream is not None:  # each worker's place in its part of the stream
             state["stream"] = self._stream.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`: the next iteration yields the batch after the last one seen."""
-        for key in ("world_size", "dataset_length"):
-            mine = self.state_dict()[key]
-            if state.get(key) != mine:
+        """Continue from `state`: the next iteration yields the batch after the last one seen.
+
+        At another data-parallel size the position is carried over in samples, which is exact
+        when the global batch (per-rank batch x world size x grad_accum_steps) is unchanged:
+        every optimizer step then sees the samples it saw in the uninterrupted run. A changed
+        global batch is refused, naming the three numbers of both runs. A stream that splits
+        itself resumes only at the world size it was saved at (each worker keeps its own place).
+        """
+        mine = self.state_dict()
+        elastic = (
+            state.get("world_size") != mine["world_size"]
+            and state.get("samples") is not None
+            and self._stream is None
+        )
+        for key in ("dataset_length",) if elastic else ("world_size", "dataset_length"):
+            if state.get(key) != mine[key]:
                 raise ValueError(
                     f"ShardedLoader.load_state_dict: the state was saved with {key}="
-                    f"{state.get(key)!r} but this loader has {key}={mine!r}; a position only "
+                    f"{state.get(key)!r} but this loader has {key}={mine[key]!r}; a position only "
                     "means the same batches with the same world size and dataset. Resume with "
                     "the original setting, or start the epoch afresh with set_epoch()."
                 )
         if self._stream is not None and int(state["position"]) > 0:
             self._stream.load_state_dict(state.get("stream"))
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        position = _elastic_position(state, mine, self.plan) if elastic else int(state["position"])
+        self.epoch, self.position = int(state["epoch"]), position
         self._seed = int(state.get("seed", self._seed))
         self._resume = True
 
@@ -307,3 +328,34 @@ class ShardedLoader:
         """
         reason = self._stream_reason or f"map-style {type(self.loader.dataset).__name__}"
         return describe(self.plan, reason, self._stream)
+
+
+def _elastic_position(saved: dict[str, Any], mine: dict[str, Any], plan: ShardPlan) -> int:
+    """The position at this world size that has taken the saved number of samples."""
+    fn = "ShardedLoader.load_state_dict"
+    keys = ("batch_size", "world_size", "grad_accum_steps")
+    old, new = (tuple(d[k] for k in keys) for d in (saved, mine))
+    if None in old or None in new or math.prod(old) != math.prod(new):
+        raise ValueError(
+            f"{fn}: the global batch changed: saved with per-rank batch {old[0]} x world size "
+            f"{old[1]} x grad_accum_steps {old[2]}, resumed with {new[0]} x {new[1]} x "
+            f"{new[2]}; resuming at another world size is exact only when the product is the "
+            "same. Choose grad_accum_steps (or the batch size) so that it is, e.g. "
+            f"grad_accum_steps={_matching_accum(old, new)}."
+        )
+    step = plan.step_samples
+    assert step is not None  # batch_size is known (checked above)
+    if saved["samples"] % step:
+        raise ValueError(
+            f"{fn}: the state was saved after {saved['samples']} samples of the epoch, which "
+            f"is not a whole number of steps of {step} samples at world size {plan.world_size}; "
+            "save at an optimizer-step boundary to resume at another world size."
+        )
+    return int(saved["samples"]) // step
+
+
+def _matching_accum(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    if None in old or None in new:
+        return "(not computable: a batch sampler of varying batch sizes)"
+    need, have = math.prod(old), new[0] * new[1]
+    return str(need // have) if need % have == 0 else f"(none: {need} is not a multiple of {have})"

@@ -117,6 +117,30 @@ class ShardPlan:
             drop_last=drop_last,
         )
 
+    @property
+    def rank_batch_size(self) -> int | None:
+        """Samples each rank takes per step: `batch_size`, or its share with `split_batches`."""
+        if self.batch_size is None or not self.split_batches:
+            return self.batch_size
+        return self.batch_size // self.world_size
+
+    @property
+    def step_samples(self) -> int | None:
+        """Samples of the epoch all ranks take together per step (None: batches vary)."""
+        per_rank = self.rank_batch_size
+        return None if per_rank is None else per_rank * self.world_size
+
+    def samples_before(self, position: int) -> int | None:
+        """Samples of the epoch taken once every rank has yielded `position` batches.
+
+        Example:
+
+        >>> ShardPlan(rank=0, world_size=4, batch_size=2).samples_before(3)
+        24
+        """
+        step = self.step_samples
+        return None if step is None else position * step
+
     def for_rank(self, rank: int) -> ShardPlan:
         """The same plan seen from another rank."""
         return dataclasses.replace(self, rank=rank)

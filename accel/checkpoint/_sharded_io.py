@@ -1,0 +1,455 @@
+"""Safetensors I/O for sharded models (FSDP2, tensor parallel, both): each rank its own slices.
+
+A DTensor's placements say which global indices a rank holds along each tensor dim: `Shard(d)`
+and `_StridedShard(d)` (FSDP2 over tensor parallel) cut dim d, `Replicate()` keeps it whole.
+Those index sets are computed here from the placements alone (no communication), by splitting
+`arange(size)` of each dim exactly as torch splits the tensor. A slice of a row-major tensor is
+then a set of contiguous byte runs in the file: one run for a row range, one per row for a
+column range. Loading reads those runs with `preadv` straight into the local shard; saving
+writes them with `pwritev` into a pre-sized file every rank opens. No rank reads, writes or
+holds any byte of a tensor it does not own, and nothing is gathered.
+
+Checksums are computed split across ranks: each rank checksums 1/N of every file's bytes and
+the parts combine (`_crc32.combine`) into the checksum of the whole file, so verifying a
+checkpoint costs one read of it in total, not one per rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accel._groups import barrier, require_group
+from accel.checkpoint._crc32 import combine
+from accel.checkpoint._files import CheckpointFiles
+from accel.checkpoint._header import DTYPES, CorruptFileError, TensorEntry, read_header
+from accel.checkpoint._model_io import FILE_METADATA, check_against_model, partial_path
+from accel.checkpoint._safetensors_io import header_bytes
+from accel.context import RunContext
+from accel.parallel._dtensor import is_dtensor
+
+# A contiguous byte run: (offset in the tensor's bytes in the file, offset in the local slice,
+# length).
+Run = tuple[int, int, int]
+_VERIFY_CHUNK = 1 << 20  # bytes per checksum read: large enough for full disk speed
+
+
+# ------------------------------------------------------------------------------ index sets
+
+
+def local_indices(t: torch.Tensor) -> list[torch.Tensor]:
+    """The global indices this rank holds along each dim of DTensor `t` (int64, ascending)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    indices = [torch.arange(n) for n in t.shape]
+    coordinate = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+    assert coordinate is not None, "a rank outside the mesh holds no slice"
+    for axis, placement in enumerate(t.placements):  # type: ignore[attr-defined]
+        if not _is_split(placement):
+            continue  # Replicate / Partial: the whole dim
+        num = t.device_mesh.size(axis)  # type: ignore[attr-defined]
+        dim = placement.dim
+        # Split a 1-D index vector the way torch splits dim `dim` of the tensor (torch.chunk
+        # semantics, and the interleaving of _StridedShard), so uneven sizes match exactly.
+        along = (
+            _StridedShard(0, split_factor=placement.split_factor)
+            if isinstance(placement, _StridedShard)
+            else Shard(0)
+        )
+        parts, _ = along._split_tensor(indices[dim], num, with_padding=False)
+        indices[dim] = parts[coordinate[axis]] if coordinate[axis] < len(parts) else parts[0][:0]
+    return indices
+
+
+def owns_copy(t: torch.Tensor) -> bool:
+    """True on the one rank among replicas of this slice that should write it (coordinate 0)."""
+    coordinate = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+    assert coordinate is not None
+    return all(
+        c == 0
+        for c, p in zip(coordinate, t.placements, strict=True)  # type: ignore[attr-defined]
+        if not _is_split(p)
+    )
+
+
+def _is_split(placement: Any) -> bool:
+    # _StridedShard (FSDP2 over tensor parallel) answers is_shard() False: ask by type.
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return isinstance(placement, Shard | _StridedShard)
+
+
+def _spans(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Contiguous runs of an ascending index vector: (first index, local position, length)."""
+    if index.numel() == 0:
+        return []
+    values = index.tolist()
+    spans = [(values[0], 0, 1)]
+    for pos, v in enumerate(values[1:], start=1):
+        first, at, length = spans[-1]
+        if v == first + length:
+            spans[-1] = (first, at, length + 1)
+        else:
+            spans.append((v, pos, 1))
+    return spans
+
+
+def byte_runs(shape: Sequence[int], indices: Sequence[torch.Tensor], itemsize: int) -> list[Run]:
+    """The contiguous byte runs that hold the slice `indices` of a row-major tensor `shape`.
+
+    Offsets are relative to the tensor's first byte in the file and to the local (contiguous)
+    slice's first byte. The trailing dims a slice covers whole merge into each run.
+    """
+    if not shape:
+        return [(0, 0, itemsize)]  # a scalar
+    if any(i.numel() == 0 for i in indices):
+        return []
+    full = [i.numel() == n for i, n in zip(indices, shape, strict=True)]
+    cut = max((d for d, whole in enumerate(full) if not whole), default=0)
+    inner = itemsize
+    for n in shape[cut + 1 :]:
+        inner *= n
+    global_strides = [inner]  # bytes per index step of dims cut, cut-1, ..., 0
+    for n in reversed(shape[1 : cut + 1]):
+        global_strides.insert(0, global_strides[0] * n)
+    local_shape = [i.numel() for i in indices[: cut + 1]]
+    local_strides = [inner]
+    for n in reversed(local_shape[1:]):
+        local_strides.insert(0, local_strides[0] * n)
+    spans = _spans(indices[cut])
+    runs: list[Run] = []
+    outer = [range(len(i)) for i in indices[:cut]]
+    outer_values = [i.tolist() for i in indices[:cut]]
+    for pos in itertools.product(*outer):
+        g = sum(outer_values[d][p] * global_strides[d] for d, p in enumerate(pos))
+        loc = sum(p * local_strides[d] for d, p in enumerate(pos))
+        for first, at, length in spans:
+            runs.append((g + first * inner, loc + at * inner, length * inner))
+    return runs
+
+
+def _merge(runs: list[Run]) -> list[Run]:
+    """Join runs adjacent in both the file and the local buffer (fewer system calls)."""
+    merged: list[Run] = []
+    for file_at, local_at, length in runs:
+        if (
+            merged
+            and merged[-1][0] + merged[-1][2] == file_at
+            and (merged[-1][1] + merged[-1][2] == local_at)
+        ):
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + length)
+        else:
+            merged.append((file_at, local_at, length))
+    return merged
+
+
+def _as_buffer(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ headers
+
+
+# ------------------------------------------------------------------------------ checksums
+
+
+def split_checksums(paths: Sequence[Path], group: Any = None) -> list[tuple[int, int]]:
+    """(size, crc32) of each file, every rank of `group` checksumming 1/N of its bytes."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    parts = []
+    for path in paths:
+        total = path.stat().st_size
+        lo, hi = total * rank // size, total * (rank + 1) // size
+        parts.append((_crc_range(path, lo, hi), hi - lo, total))
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, parts, group=group)
+    out = []
+    for i in range(len(paths)):
+        value = 0
+        for rank_parts in gathered:
+            crc, length, total = rank_parts[i]
+            value = combine(value, crc, length)
+        out.append((total, value))
+    return out
+
+
+def _crc_range(path: Path, lo: int, hi: int) -> int:
+    value = 0
+    buffer = memoryview(bytearray(min(_VERIFY_CHUNK, hi - lo)))  # reused: memory stays flat
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while lo < hi:
+            got = os.preadv(fd, [buffer[: min(len(buffer), hi - lo)]], lo)
+            if got == 0:
+                break  # the file shrank under us: the size check reports it
+            value = zlib.crc32(buffer[:got], value)
+            lo += got
+    finally:
+        os.close(fd)
+    return value
+
+
+def verify(fn: str, files: Sequence[Path], expected: Mapping[Path, tuple[int, int] | None]) -> None:
+    """Refuse (on every rank) a file whose size or checksum differs from the manifest."""
+    checked = [p for p in files if expected.get(p) is not None]
+    for path, (size, crc) in zip(checked, split_checksums(checked), strict=True):
+        want = expected[path]
+        assert want is not None
+        if size != want[0]:
+            raise CorruptFileError(
+                f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {want[0]}; "
+                "the file is truncated or was replaced. Load an earlier checkpoint."
+            )
+        if crc != want[1]:
+            raise CorruptFileError(
+                f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
+                f"{want[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+            )
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+class _Entry:
+    """Where one tensor lies in a checkpoint file (from a header the shared parser validated)."""
+
+    def __init__(self, path: Path, data_start: int, entry: TensorEntry) -> None:
+        self.path, self.dtype, self.shape = path, DTYPES[entry.dtype], list(entry.shape)
+        self.offset, self.nbytes = data_start + entry.begin, entry.end - entry.begin
+
+    @property
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+def file_entries(fn: str, paths: Sequence[Path]) -> dict[str, _Entry]:
+    """Every tensor of the files, read from headers checked by `accel.checkpoint._header`."""
+    entries: dict[str, _Entry] = {}
+    for path in paths:
+        header = read_header(fn, path)
+        entries.update({k: _Entry(path, header.data_start, e) for k, e in header.tensors.items()})
+    return entries
+
+
+def load_sharded(
+    fn: str,
+    model: nn.Module,
+    files: CheckpointFiles,
+    expected: Mapping[Path, tuple[int, int] | None],
+    *,
+    device: torch.device,
+    strict: bool,
+) -> tuple[list[str], list[str]]:
+    """Fill a sharded `model` in place from safetensors `files`, each rank reading its slices.
+
+    Returns (missing keys, unexpected keys). Every rank must call it (checksums are split).
+    """
+    if any(v is not None for v in expected.values()):
+        verify(fn, files.files, expected)
+    entries = file_entries(fn, files.files)
+    shapes = {k: e.meta for k, e in entries.items()}
+    state = check_against_model(fn, model, shapes, strict=strict)  # shapes, keys, tied names
+    source = {
+        k: entries[k] if k in entries else _tied_source(k, state, shapes, entries) for k in state
+    }
+    _materialise(fn, model, state.keys(), device)
+    own = model.state_dict(keep_vars=True)
+    fds: dict[Path, int] = {}
+    try:
+        with torch.no_grad():
+            for name in state:
+                entry = source[name]
+                fd = fds.get(entry.path)
+                if fd is None:
+                    fd = fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+                _read_into(fn, fd, entry, own[name])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    own_keys = model.state_dict().keys()
+    return sorted(own_keys - state.keys()), sorted(entries.keys() - own_keys)
+
+
+def _tied_source(
+    name: str,
+    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, torch.Tensor],
+    entries: Mapping[str, _Entry],
+) -> _Entry:
+    # check_against_model filled a tied alias with the tensor saved under the other name.
+    for other, t in shapes.items():
+        if t is state[name]:
+            return entries[other]
+    raise AssertionError(f"no source for {name!r}")
+
+
+def _materialise(fn: str, model: nn.Module, loading: Any, device: torch.device) -> None:
+    """Allocate a model built on meta (and sharded there) on `device`; keep its real tensors."""
+    own = model.state_dict(keep_vars=True)
+    meta = [k for k, t in own.items() if t.is_meta]
+    if not meta:
+        return
+    lacking = sorted(set(meta) - set(loading))
+    if lacking:
+        raise ValueError(
+            f"{fn}: the model's tensors {lacking[:10]} ({len(lacking)}) are on the meta device "
+            "and the checkpoint does not hold them (non-persistent buffers?). Build the model "
+            "with init_empty_weights(include_buffers=False) so buffers are computed on the CPU."
+        )
+    real = {k: t.detach().clone() for k, t in own.items() if not t.is_meta and k not in loading}
+    model.to_empty(device=device)  # FSDP2 re-registers its sharded parameters on _apply
+    with torch.no_grad():
+        for k, t in model.state_dict(keep_vars=True).items():
+            if k in real:
+                (t.to_local() if is_dtensor(t) else t).copy_(
+                    real[k].to_local() if is_dtensor(real[k]) else real[k]
+                )
+
+
+def _read_into(fn: str, fd: int, entry: _Entry, target: torch.Tensor) -> None:
+    local = target.to_local() if is_dtensor(target) else target
+    indices = (
+        local_indices(target) if is_dtensor(target) else [torch.arange(n) for n in target.shape]
+    )
+    itemsize = entry.dtype.itemsize
+    runs = _merge(byte_runs(entry.shape, indices, itemsize))
+    direct = local.dtype == entry.dtype and local.is_contiguous() and local.device.type == "cpu"
+    buffer = local if direct else torch.empty(local.shape, dtype=entry.dtype)
+    view = _as_buffer(buffer) if buffer.numel() else memoryview(b"")
+    for file_at, local_at, length in runs:
+        got = os.preadv(fd, [view[local_at : local_at + length]], entry.offset + file_at)
+        if got != length:
+            raise CorruptFileError(
+                f"{fn}: {str(entry.path)!r} ended inside a tensor; it is truncated. Save it again."
+            )
+    if not direct:
+        local.copy_(buffer)
+
+
+# ------------------------------------------------------------------------------ saving
+
+
+def presize(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Create `path` holding the header of `tensors` (global shapes) and room for their bytes."""
+    head = header_bytes(tensors, metadata)
+    total = len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(total)
+
+
+def write_slices(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, is_main: bool
+) -> None:
+    """Write this rank's slices of `tensors` into the pre-sized `path`, and fsync them.
+
+    A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
+    by the main rank.
+    """
+    start = len(header_bytes(tensors, metadata))
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        offset = start
+        for t in tensors.values():
+            nbytes = t.numel() * t.element_size()
+            for file_at, view in _slices_to_write(t, is_main):
+                os.pwritev(fd, [view], offset + file_at)
+            offset += nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _slices_to_write(t: torch.Tensor, is_main: bool) -> Iterator[tuple[int, memoryview]]:
+    if is_dtensor(t):
+        if not owns_copy(t):
+            return
+        local, indices = t.to_local().detach().cpu().contiguous(), local_indices(t)
+    else:
+        if not is_main:
+            return
+        local = t.detach().cpu().contiguous()
+        indices = [torch.arange(n) for n in t.shape]
+    if local.numel() == 0:
+        return
+    view = _as_buffer(local)
+    for file_at, local_at, length in _merge(byte_runs(list(t.shape), indices, t.element_size())):
+        yield file_at, view[local_at : local_at + length]
+
+
+def save_sharded(
+    ctx: RunContext,
+    directory: Path,
+    layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    publish: Callable[[Callable[..., tuple[int, int]]], None],
+) -> None:
+    """Write a sharded model's files without gathering it, then publish them on rank 0.
+
+    Rank 0 creates each file under its partial name with the header (from global shapes) and
+    its full size. When every rank sees those files (a shared filesystem), every rank writes
+    its slices in place and fsyncs, and the checksums are split across ranks; otherwise the
+    tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
+    `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
+    renames into place, index and manifest.
+    """
+    fn = "save_model"
+    group = require_group(ctx, fn) if ctx.world_size > 1 else None
+    paths = [partial_path(directory / name) for name, _ in layout]
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, (_, tensors) in zip(paths, layout, strict=True):
+            presize(path, tensors, FILE_METADATA)
+    barrier(ctx, fn)
+    if _is_shared(ctx, paths, group):
+        for path, (_, tensors) in zip(paths, layout, strict=True):
+            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
+        barrier(ctx, fn)
+        sums = dict(zip(paths, split_checksums(paths, group), strict=True))
+    else:
+        sums = _stream_to_main(ctx, paths, layout)
+    if ctx.is_main:
+        publish(lambda path, **_: sums[path])
+    barrier(ctx, fn)
+
+
+def _is_shared(ctx: RunContext, paths: Sequence[Path], group: Any) -> bool:
+    """True when every rank sees the files rank 0 created (one filesystem for all)."""
+    seen = all(p.is_file() for p in paths)
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, seen, group=group)
+    return all(everyone)
+
+
+def _stream_to_main(
+    ctx: RunContext, paths: Sequence[Path], layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]]
+) -> dict[Path, tuple[int, int]]:
+    """Ranks without the files: gather one tensor at a time (`full_tensor`, a collective every
+    rank joins), which rank 0 writes in place. Return each file's (size, crc32)."""
+    sums = {}
+    for path, (_, tensors) in zip(paths, layout, strict=True):
+        head = header_bytes(tensors, FILE_METADATA)
+        crc, offset = zlib.crc32(head), len(head)
+        fd = os.open(path, os.O_WRONLY) if ctx.is_main else -1
+        try:
+            for t in tensors.values():
+                whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
+                if ctx.is_main and whole.numel():
+                    data = _as_buffer(whole.detach().cpu().contiguous())
+                    os.pwrite(fd, data, offset)
+                    crc, offset = zlib.crc32(data, crc), offset + len(data)
+                del whole
+            if ctx.is_main:
+                os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        sums[path] = (offset, crc)
+    return sums
