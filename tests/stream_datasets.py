@@ -121,3 +121,15 @@ def log_example(example: dict[str, Any], folder: str) -> dict[str, Any]:
     """A datasets `.map` function that logs each example it is given (i.e. each one read)."""
     _log(folder, int(example["id"]))
     return example
+
+
+def torchdata_loader(kind: str, num_workers: int, n: int = 13) -> Any:
+    """torchdata's real `StatefulDataLoader`, batch size 2: over a shuffled map-style list of
+    `n` ints (kind "map") or over a `GenStream` of `n` (kind "stream")."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if kind == "map":
+        return StatefulDataLoader(
+            list(range(n)), batch_size=2, shuffle=True, num_workers=num_workers
+        )
+    return StatefulDataLoader(GenStream(n), batch_size=2, num_workers=num_workers)

@@ -1,5 +1,7 @@
 """Iterable datasets in shard_loader at world size 1: workers, splitting, resume (data._stream).
 
+Also torchdata's StatefulDataLoader (map-style and streamed) through save_state/load_state.
+
 The multi-rank checks (2 and 4 ranks, uneven ends) are in tests/dist/test_stream_dist.py.
 """
 
@@ -26,6 +28,7 @@ from tests.stream_datasets import (
     log_example,
     ragged_collate,
     reads,
+    torchdata_loader,
     write_json_shards,
 )
 
@@ -231,27 +234,39 @@ def test_dispatch_resumes_by_rereading_on_rank_0() -> None:
         assert _run(make, [2, 4]) == reference
 
 
-class _StatefulLoader(DataLoader[int]):
-    """Stands in for torchdata's StatefulDataLoader (not installed): a DataLoader with state."""
+@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_torchdata_stateful_dataloader_resumes_at_every_position_through_save_state(
+    tmp_path: Path, kind: str, num_workers: int
+) -> None:
+    """torchdata's real StatefulDataLoader: shard_loader saves its own position, not the inner
+    loader's, and a shuffled one gets the order a DataLoader gets (from seed and epoch)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"own": True}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise AssertionError("shard_loader resumes from its own state, not the inner loader's")
-
-
-def test_a_stateful_dataloader_is_sharded_and_resumed_through_save_state(tmp_path: Path) -> None:
     def make() -> accel.ShardedLoader:
-        return accel.shard_loader(CTX, _StatefulLoader(GenStream(9), batch_size=2, num_workers=2))
+        return accel.shard_loader(CTX, torchdata_loader(kind, num_workers))
 
-    first = make()
-    it = iter(first)
-    head = [next(it).tolist() for _ in range(2)]
-    accel.save_state(CTX, tmp_path / "ckpt", loader=accel.PerRank(first))
-    resumed = make()
-    accel.load_state(CTX, tmp_path / "ckpt", loader=accel.PerRank(resumed))
-    assert head + [b.tolist() for b in resumed] == [b.tolist() for b in make()]
+    def per_rank(loader: accel.ShardedLoader) -> Any:  # a stream's position is per rank
+        return accel.PerRank(loader) if kind == "stream" else loader
+
+    def epochs(loader: accel.ShardedLoader, head: list[list[int]]) -> list[list[list[int]]]:
+        rest = [_ids(b) for b in loader]
+        return [head + rest, [_ids(b) for b in loader]]  # the rest of epoch 0, then epoch 1
+
+    reference = epochs(make(), [])
+    if kind == "map":  # the order of a plain DataLoader with shuffle=True, under the same seed
+        plain = DataLoader(list(range(13)), batch_size=2, shuffle=True, num_workers=num_workers)
+        same = accel.shard_loader(CTX, plain)
+        assert reference == [[_ids(b) for b in same] for _ in range(2)]
+        assert reference[0] != reference[1]  # reshuffled each epoch
+    assert sorted(i for b in reference[0] for i in b) == list(range(13))
+    for stop in range(len(reference[0])):  # partway: after the last batch the epoch is over
+        first = make()
+        it = iter(first)
+        head = [_ids(next(it)) for _ in range(stop)]
+        accel.save_state(CTX, tmp_path / f"ckpt{stop}", loader=per_rank(first))
+        resumed = make()
+        accel.load_state(CTX, tmp_path / f"ckpt{stop}", loader=per_rank(resumed))
+        assert epochs(resumed, head) == reference, stop
 
 
 def test_a_fresh_pass_after_a_resume_reads_the_whole_datasets_stream(tmp_path: Path) -> None:

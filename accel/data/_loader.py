@@ -18,7 +18,13 @@ from torch.utils.data import (
 
 from accel._tree import send_to_device
 from accel.context import RunContext, along
-from accel.data._shard_plan import ShardBatch, ShardPlan, epoch_generator, sampler_indices
+from accel.data._shard_plan import (
+    ShardBatch,
+    ShardPlan,
+    epoch_generator,
+    is_torch_kind,
+    sampler_indices,
+)
 from accel.data._stream import describe, open_stream, warn_reread
 
 # Layout of the last batch each rank was given: (size, padding) per rank.
@@ -76,7 +82,7 @@ class ShardedLoader:
         batch_sampler = loader.batch_sampler
         if batch_sampler is None:  # batch_size=None: every sample is its own "batch"
             return [[i] for i in sampler_indices(loader.sampler, epoch, self._seed)]
-        if type(batch_sampler) is BatchSampler:
+        if is_torch_kind(batch_sampler, BatchSampler):
             indices = sampler_indices(batch_sampler.sampler, epoch, self._seed)
             size = batch_sampler.batch_size
             batches = [indices[i : i + size] for i in range(0, len(indices), size)]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler
@@ -245,9 +245,23 @@ def _shuffle_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + epoch) % 2**64)
 
 
+# torchdata's StatefulDataLoader builds its own RandomSampler and BatchSampler in place of
+# torch's: the same samples, plus state. Its RandomSampler seeds itself from torch's global RNG
+# when it has no generator (a different order on every rank and in a resumed run), so both are
+# read as torch's are: the order from (seed, epoch), the position from the ShardedLoader.
+_TORCHDATA_SAMPLERS = "torchdata.stateful_dataloader.sampler"
+_T = TypeVar("_T")
+
+
+def is_torch_kind(obj: object, cls: type[_T]) -> TypeGuard[_T]:
+    """`obj` is exactly a `cls` (torch's sampler class), or torchdata's stateful twin of it."""
+    kind = type(obj)
+    return kind is cls or (kind.__module__ == _TORCHDATA_SAMPLERS and kind.__name__ == cls.__name__)
+
+
 def sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
     """The sampler's indices for `epoch`, identical on every rank."""
-    if type(sampler) is RandomSampler:
+    if is_torch_kind(sampler, RandomSampler):
         # Same permutation on every rank from (seed, epoch): no RNG state to broadcast.
         n = len(sampler.data_source)
         if not sampler.replacement and sampler.num_samples == n:

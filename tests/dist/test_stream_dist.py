@@ -4,7 +4,7 @@ One `run_world` per world size reads every kind of splittable stream with 0, 1 a
 the tests check the union of all ranks' samples (each exactly once), how often each sample was
 read (every process logs its reads to files), that uneven ends neither hang nor lose a sample,
 and that resuming twice inside an epoch, through save_state/load_state, equals the
-uninterrupted run.
+uninterrupted run; and that torchdata's StatefulDataLoader does the same in a fresh world.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tests.stream_datasets import (
     hf_stream,
     ragged_collate,
     reads,
+    torchdata_loader,
     write_json_shards,
 )
 
@@ -212,3 +213,51 @@ def test_dispatch_without_even_batches_stops_before_an_incomplete_round(world: A
     full_rounds = len(plain) // n
     for r, rank in enumerate(results):
         assert rank["dispatch_uneven"] == plain[r : full_rounds * n : n]
+
+
+def _torchdata_world(ctx: accel.RunContext, folder: str, phase: str) -> dict[Any, Any]:
+    """torchdata's StatefulDataLoader at every stop: phase "save" runs the uninterrupted epoch
+    and saves a loader stopped after each batch; phase "load" (a fresh world) resumes each."""
+    out: dict[Any, Any] = {}
+    for kind in ("map", "stream"):
+        for num_workers in (0, 2):
+
+            def make() -> accel.ShardedLoader:
+                return accel.shard_loader(ctx, torchdata_loader(kind, num_workers))  # noqa: B023
+
+            def saved(loader: accel.ShardedLoader) -> Any:  # a stream's position is per rank
+                return accel.PerRank(loader) if kind == "stream" else loader  # noqa: B023
+
+            case = f"{folder}/{kind}-{num_workers}"
+            if phase == "save":
+                reference = _epoch(ctx, make())
+                out[kind, num_workers] = reference
+                for stop in range(len(reference["mine"])):
+                    first = make()
+                    it = iter(first)
+                    for _ in range(stop):
+                        next(it)
+                    accel.save_state(ctx, f"{case}-{stop}", loader=saved(first))
+            else:
+                for stop in range(len(list(Path(folder).glob(f"{kind}-{num_workers}-*")))):
+                    resumed = make()
+                    accel.load_state(ctx, f"{case}-{stop}", loader=saved(resumed))
+                    out[kind, num_workers, stop] = _epoch(ctx, resumed)
+    return out
+
+
+def test_a_torchdata_stateful_dataloader_resumes_in_a_fresh_world(tmp_path: Path) -> None:
+    """At 2 ranks the real StatefulDataLoader splits (each sample once) and resumes from
+    save_state, in new processes, with the rest of the uninterrupted epoch at every stop."""
+    saved = run_world(_torchdata_world, world_size=2, timeout=300, args=(str(tmp_path), "save"))
+    loaded = run_world(_torchdata_world, world_size=2, timeout=300, args=(str(tmp_path), "load"))
+    for kind in ("map", "stream"):
+        for num_workers in (0, 2):
+            ranks = [r[kind, num_workers] for r in saved]
+            assert Counter(ranks[0]["gathered"]) == Counter(range(13)), (kind, num_workers)
+            for rank, reference in enumerate(ranks):
+                stops = [k for k in loaded[rank] if k[:2] == (kind, num_workers)]
+                assert len(stops) == len(reference["mine"]) >= 4
+                for key in stops:
+                    rest = loaded[rank][key]["mine"]
+                    assert rest == reference["mine"][key[2] :], (rank, key)
