@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from accel.checkpoint._header import CorruptFileError
-from accel.checkpoint._sharded_io import _merge, byte_runs, file_entries
+from accel.checkpoint._sharded_io import byte_runs, file_entries, merge_runs
 
 
 def _gather_runs(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
@@ -18,7 +18,7 @@ def _gather_runs(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tenso
     data = full.contiguous().view(torch.uint8).reshape(-1)
     local = torch.empty([len(i) for i in indices], dtype=full.dtype)
     out = local.view(torch.uint8).reshape(-1)
-    for file_at, local_at, length in _merge(byte_runs(list(full.shape), indices, 4)):
+    for file_at, local_at, length in merge_runs(byte_runs(list(full.shape), indices, 4)):
         out[local_at : local_at + length] = data[file_at : file_at + length]
     return local
 
@@ -39,7 +39,7 @@ def test_byte_runs_read_exactly_the_slice(indices: list[torch.Tensor]) -> None:
 
 
 def test_rows_are_one_contiguous_run() -> None:
-    assert _merge(byte_runs([5, 6], [torch.arange(2, 5), torch.arange(6)], 4)) == [(48, 0, 72)]
+    assert merge_runs(byte_runs([5, 6], [torch.arange(2, 5), torch.arange(6)], 4)) == [(48, 0, 72)]
     assert byte_runs([], [], 2) == [(0, 0, 2)]  # a scalar
 
 

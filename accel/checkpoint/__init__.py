@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from accel._groups import barrier, global_rank, named_collective, require_group
+from accel._groups import barrier
 from accel._size import parse_size
-from accel.checkpoint import _atomic, _dcp
+from accel.checkpoint import _atomic
 from accel.checkpoint._files import resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
@@ -37,8 +34,11 @@ from accel.checkpoint._model_io import (
     write_model_files,
 )
 from accel.checkpoint._safetensors_io import read_file
-from accel.checkpoint._sharded_io import load_sharded, save_sharded
-from accel.checkpoint._state_io import PerRank, classify, finish, load, snapshot, write_rank_files
+from accel.checkpoint._saving import CheckpointHandle, group_of, start_save
+from accel.checkpoint._sharded_io import load_sharded
+from accel.checkpoint._sharded_save import save_sharded
+from accel.checkpoint._state_io import PerRank, load
+from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import has_dtensors, is_sharded
@@ -56,9 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_STEP_DIR = re.compile(r"step-(\d+)")
-_SAVE_THREAD = "accel-checkpoint-save"
 
 
 class LoadResult(NamedTuple):
@@ -220,110 +217,6 @@ def load_checkpoint_in_model(
 # ---------------------------------------------------------------------------------- state
 
 
-class CheckpointHandle:
-    """A save in progress (or done): `wait()` blocks until it is durable and returns its path.
-
-    On rank 0 "durable" means published under its final name; on other ranks, that this
-    rank's files are written and fsynced (rank 0 publishes once every rank's are).
-    """
-
-    def __init__(self, path: Path, thread: threading.Thread | None) -> None:
-        self.path = path
-        self._thread = thread
-        self._error: list[BaseException] = []
-
-    def done(self) -> bool:
-        """True when the save has finished (successfully or not)."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> Path:
-        """Block until the save finished; re-raise its error; return the checkpoint path."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._error:
-            raise RuntimeError(f"saving {str(self.path)!r} failed") from self._error[0]
-        return self.path
-
-
-def _wait_for_previous_saves() -> None:
-    # The next save waits for a background one, found by thread name: no global registry.
-    for thread in threading.enumerate():
-        if thread.name == _SAVE_THREAD and thread is not threading.current_thread():
-            thread.join()
-
-
-def _start_save(
-    fn: str,
-    ctx: RunContext,
-    final: Path,
-    objects: dict[str, Any],
-    *,
-    info: dict[str, Any],
-    blocking: bool,
-    after_publish: Callable[[], None] | None = None,
-) -> CheckpointHandle:
-
-    plan = classify(fn, objects)
-    _wait_for_previous_saves()  # a background save of this same name may publish meanwhile
-    replace = _atomic.check_target(fn, final)  # on every rank: they all refuse alike
-    group = _group(ctx, fn)
-    staging = _atomic.sibling(final, "partial")
-    if ctx.is_main:
-        _atomic.sweep(final.parent)
-    with _atomic.removed_on_failure(fn, staging, final):  # elsewhere: a name never created
-        if ctx.is_main:
-            staging.mkdir(parents=True)
-        if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
-            staging = _agree_on(ctx, fn, staging)
-    with _atomic.removed_on_failure(fn, staging, final):
-        if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
-            models = dict(plan.dcp_models)
-            optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
-            _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
-        files = snapshot(fn, ctx, plan, objects, copy=not blocking)
-    names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
-    names += [n for n, _, _ in plan.dcp_optimizers]
-    info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
-    timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
-
-    def job() -> None:
-        with _atomic.removed_on_failure(fn, staging, final):
-            write_rank_files(staging, ctx.rank, files)
-            if ctx.is_main:
-                finish(fn, staging, final, ctx.world_size, info, timeout_s, replace=replace)
-        if ctx.is_main and after_publish is not None:
-            after_publish()
-
-    if blocking:
-        job()
-        if ctx.world_size > 1:
-            barrier(ctx, fn)  # every rank returns only once the checkpoint is published
-        return CheckpointHandle(final, None)
-    handle = CheckpointHandle(final, None)
-
-    def run() -> None:
-        try:
-            job()
-        except BaseException as err:
-            handle._error.append(err)
-            logger.error("background save of %s failed: %r", final, err)
-
-    handle._thread = threading.Thread(target=run, name=_SAVE_THREAD, daemon=False)
-    handle._thread.start()
-    return handle
-
-
-def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:
-    box: list[Any] = [str(staging)]
-    with named_collective(ctx, fn):
-        dist.broadcast_object_list(box, src=global_rank(ctx, 0), group=require_group(ctx, fn))
-    return Path(box[0])
-
-
-def _group(ctx: RunContext, fn: str) -> Any:
-    return None if ctx.world_size == 1 else require_group(ctx, fn)
-
-
 def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: Any) -> None:
     """Save training state under `directory`, crash-safely, for an exact resume with load_state.
 
@@ -364,7 +257,7 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
         >>> load_state(RunContext.single(), d, model=model, optimizer=opt)["objects"]
         ['model', 'optimizer']
     """
-    _start_save("save_state", ctx, Path(directory), objects, info={}, blocking=True)
+    start_save("save_state", ctx, Path(directory), objects, info={}, blocking=True)
 
 
 def load_state(
@@ -403,7 +296,7 @@ def load_state(
     """
 
     fn = "load_state"
-    return load(fn, ctx, Path(directory), objects, _group(ctx, fn))
+    return load(fn, ctx, Path(directory), objects, group_of(ctx, fn))
 
 
 def save_checkpoint(
@@ -459,56 +352,16 @@ def save_checkpoint(
     final = root_path / f"step-{step}"
     _atomic.check_target(fn, final)
     root_path.mkdir(parents=True, exist_ok=True)
-    rotate = None if keep is None else partial(_rotate, root_path, keep, step)
-    return _start_save(
-        fn, ctx, final, dict(state), info={"step": step}, blocking=blocking, after_publish=rotate
+    after_publish = None if keep is None else partial(rotate, root_path, keep, step)
+    return start_save(
+        fn,
+        ctx,
+        final,
+        dict(state),
+        info={"step": step},
+        blocking=blocking,
+        after_publish=after_publish,
     )
-
-
-def _complete_steps(root: Path) -> list[tuple[int, Path]]:
-    if root.exists() and not root.is_dir():
-        raise NotADirectoryError(
-            f"latest_checkpoint: root={str(root)!r} is a file, not a folder of step-<n> "
-            "checkpoints. Pass the folder given to save_checkpoint."
-        )
-    # A writer with keep= may publish step n+1 and rotate step n away between the listing and
-    # the checks: when every listed checkpoint vanished that way, list again.
-    for _ in range(100):
-        found, vanished = [], False
-        for path in root.iterdir() if root.is_dir() else ():
-            match = _STEP_DIR.fullmatch(path.name)
-            if match and _is_complete(path):
-                found.append((int(match[1]), path))
-            vanished = vanished or (match is not None and not path.exists())
-        if found or not vanished:
-            break
-    return sorted(found)
-
-
-def _is_complete(path: Path) -> bool:
-    try:
-        manifest = _atomic.read_manifest("latest_checkpoint", path)
-        for rel, (size, _) in manifest["files"].items():
-            if (path / rel).stat().st_size != size:
-                logger.debug("skipping %s: %s has not the size its manifest records", path, rel)
-                return False
-    except (OSError, ValueError) as err:  # incomplete, damaged, or rotated away meanwhile
-        logger.debug("skipping %s: %s", path, err)
-        return False
-    return True
-
-
-def _rotate(root: Path, keep: int, step: int) -> None:
-    for old_step, path in _complete_steps(root)[:-keep]:
-        if old_step == step:
-            continue
-        # Renamed first, so a kill during the deletion leaves a name the next save removes.
-        doomed = _atomic.sibling(path, "deleting")
-        try:
-            path.rename(doomed)
-        except FileNotFoundError:
-            continue  # another writer rotated it away already
-        _atomic.remove_tree(doomed)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -530,5 +383,5 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    complete = _complete_steps(Path(root))
+    complete = complete_steps(Path(root))
     return complete[-1][1] if complete else None

@@ -22,7 +22,7 @@ from accel.checkpoint import _atomic
 from accel.checkpoint._dcp import DCP_DIR, _reader
 from accel.checkpoint._model_io import FILE_METADATA, file_layout, partial_path, publish_model_files
 from accel.checkpoint._safetensors_io import header_bytes
-from accel.checkpoint._sharded_io import presize
+from accel.checkpoint._sharded_save import presize
 
 _FN = "merge-weights"
 
