@@ -24,6 +24,7 @@ from accel.data._shard_plan import (
     epoch_generator,
     is_torch_kind,
     sampler_indices,
+    worker_options,
 )
 from accel.data._stream import describe, open_stream, warn_reread
 
@@ -172,17 +173,7 @@ class ShardedLoader:
         generator = loader.generator
         if generator is None:
             generator = epoch_generator(self._seed, self.epoch, self.plan.rank)
-        common: dict[str, Any] = dict(
-            generator=generator,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-        )
-        if loader.num_workers > 0:
-            common["prefetch_factor"] = loader.prefetch_factor
+        common = worker_options(loader, generator) | {"collate_fn": loader.collate_fn}
         if loader.batch_sampler is None:
             inner = DataLoader(
                 loader.dataset,

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from accel._groups import named_collective, require_group
 from accel.collectives import broadcast_object
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan
+from accel.data._shard_plan import ShardPlan, worker_options
 from accel.data._stream_dispatch import DispatchStream
 
 SplitKind = Literal["datasets", "iter_shard", "shard"]
@@ -345,20 +345,11 @@ class SplitStream:
             collate_fn=loader.collate_fn,
             resume=self.workers,
         )
-        extra: dict[str, Any] = {}
-        if loader.num_workers > 0:
-            extra["prefetch_factor"] = loader.prefetch_factor
         inner = DataLoader(
             reader,
             batch_size=None,
-            num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=generator,
             persistent_workers=persistent,
-            **extra,
+            **worker_options(loader, generator),
         )
         if persistent:
             self._persistent = inner

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from accel._groups import global_rank, named_collective, require_group
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan
+from accel.data._shard_plan import ShardPlan, worker_options
 
 
 class _Counted:
@@ -76,21 +76,12 @@ class DispatchStream:
     def _rounds(self, generator: torch.Generator) -> Iterator[list[tuple[int, int, Any]]]:
         """Rank 0: (size, padding, batch) for every rank, one list per step."""
         loader, n = self.loader, self.plan.world_size
-        extra: dict[str, Any] = {}
-        if loader.num_workers > 0:
-            extra["prefetch_factor"] = loader.prefetch_factor
         inner = DataLoader(
             loader.dataset,
             batch_size=loader.batch_size,
             drop_last=loader.drop_last,
             collate_fn=_Counted(loader.collate_fn),
-            num_workers=loader.num_workers,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=generator,
-            **extra,
+            **worker_options(loader, generator),
         )
         batches, first = iter(inner), list[tuple[int, Any]]()
         pad = self.plan.even_batches and not self.plan.drop_last
