@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from accel._exit import register_exit_guard
 from accel.context import Parallelism, RunContext
 from accel.parallel._mesh import with_mesh
 
@@ -63,6 +64,9 @@ def _worker(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        # A step that never calls an accel collective (say, tensor parallelism through DTensor
+        # alone) would otherwise leave gloo's threads running at exit: pytorch/pytorch#190489.
+        register_exit_guard()
     except BaseException:
         _record_error(out, rank)
         raise SystemExit(1) from None
