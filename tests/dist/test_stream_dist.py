@@ -9,6 +9,7 @@ uninterrupted run; and that torchdata's StatefulDataLoader does the same in a fr
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -41,6 +42,19 @@ def _ids(batch: Any) -> Any:
     return batch["id"] if isinstance(batch, dict) else batch
 
 
+def _workers() -> Any:
+    """The start method for DataLoader workers in these worlds: forked from a clean server.
+
+    A rank here has live gloo threads and, once it read a `datasets` stream, pyarrow's thread
+    pool; forking such a process can deadlock the child on a lock another thread held (a CI
+    run hung here once). A forkserver forks workers from a fresh single-threaded process that
+    has torch and the datasets imported once, so they still start in milliseconds.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "datasets", "tests.stream_datasets"])
+    return context
+
+
 def _make(kind: str, folder: str, num_workers: int, **options: Any) -> Any:
     reads_dir = f"{folder}/reads-{kind}-{num_workers}"
     Path(reads_dir).mkdir(parents=True, exist_ok=True)
@@ -59,6 +73,8 @@ def _make(kind: str, folder: str, num_workers: int, **options: Any) -> Any:
 
             rank, world_size = options.pop("rank"), options.pop("world_size")
             dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+    if num_workers:
+        options["multiprocessing_context"] = _workers()
     return DataLoader(dataset, batch_size=3, num_workers=num_workers, **options)
 
 
@@ -83,14 +99,27 @@ def _exactly_once_world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     parts = ctx.world_size * 2
     sizes = tuple((ctx.world_size - 1 - k // 2) * 4 for k in range(parts))
     for even in (True, False):
-        uneven = DataLoader(GenStream(200, sizes=sizes), batch_size=2, num_workers=2)
+        uneven = DataLoader(
+            GenStream(200, sizes=sizes),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context=_workers(),
+        )
         out["uneven", even] = _epoch(ctx, accel.shard_loader(ctx, uneven, even_batches=even))
     out["uneven_sizes"] = sizes
     # split_batches: the loader's batch size is the global one; each rank batches its share
-    split = DataLoader(GenStream(N), batch_size=2 * ctx.world_size, num_workers=2)
+    split = DataLoader(
+        GenStream(N),
+        batch_size=2 * ctx.world_size,
+        num_workers=2,
+        multiprocessing_context=_workers(),
+    )
     out["split_batches"] = _epoch(ctx, accel.shard_loader(ctx, split, split_batches=True))
     for num_workers in (0, 1):  # PlainStream does not split itself: 1 worker at most
-        plain = DataLoader(PlainStream(N), 3, num_workers=num_workers, collate_fn=ragged_collate)
+        workers = {"multiprocessing_context": _workers()} if num_workers else {}
+        plain = DataLoader(
+            PlainStream(N), 3, num_workers=num_workers, collate_fn=ragged_collate, **workers
+        )
         loader = accel.shard_loader(ctx, plain, dispatch_batches=True)
         out["dispatch", num_workers] = [(b.tolist(), loader.padding) for b in loader]
     plain = DataLoader(PlainStream(N), 3, collate_fn=ragged_collate)
@@ -194,8 +223,9 @@ def test_dispatch_sends_rank_r_batches_r_plus_k_world_size(world: Any, num_worke
     for r, rank in enumerate(results):
         got = rank["dispatch", num_workers]
         assert [b for b, _ in got] == padded[r::n]  # ragged widths arrive as they were
-        assert [p for _, p in got] == [0 if k < len(plain) else len(padded[k]) for k in
-                                       range(r, rounds * n, n)]
+        assert [p for _, p in got] == [
+            0 if k < len(plain) else len(padded[k]) for k in range(r, rounds * n, n)
+        ]
 
 
 def test_split_batches_cuts_the_global_batch_size_per_rank(world: Any) -> None:
