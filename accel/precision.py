@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel._groups import comm_device, named_collective, require_group
+from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext
 from accel.parallel import check_optimizer
 from accel.parallel._dtensor import is_dtensor
@@ -32,8 +32,6 @@ __all__ = [
     "optimizer_step",
     "scaled_backward",
 ]
-
-_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
@@ -57,7 +55,7 @@ def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
     >>> y.dtype
     torch.bfloat16
     """
-    dtype = _DTYPES.get(ctx.precision)
+    dtype = COMPUTE_DTYPES.get(ctx.precision)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(ctx.device.type, dtype=dtype)

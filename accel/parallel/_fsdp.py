@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 from accel._groups import require_group
 from accel._parallelism import FSDPOptions
+from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext
 
 if TYPE_CHECKING:
@@ -20,9 +20,6 @@ if TYPE_CHECKING:
 # Attribute set on parameters that FSDP2 or tensor parallelism replaced: an optimizer still
 # holding them would update tensors the model no longer uses.
 REPLACED = "_accel_replaced_by_fsdp2"
-
-
-_PRECISION_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 def world_mesh(ctx: RunContext) -> DeviceMesh:
@@ -103,7 +100,7 @@ def mixed_precision(ctx: RunContext, options: FSDPOptions) -> Any:
     """FSDP2's MixedPrecisionPolicy: options first, else from ctx.precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param = options.param_dtype or _PRECISION_DTYPES.get(ctx.precision)
+    param = options.param_dtype or COMPUTE_DTYPES.get(ctx.precision)
     reduce = options.reduce_dtype
     if reduce is None and param is not None and param != torch.float32:
         reduce = torch.float32  # reduce gradients in full precision: sums of many lose bits

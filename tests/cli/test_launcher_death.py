@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.cli.test_cli import _env
+from tests.processes import alive
 
 SCRIPT = """
 import os, sys, time
@@ -22,16 +23,6 @@ Path(sys.argv[1], f"tmp-{ctx.rank}").write_text(str(os.getpid()))
 os.replace(Path(sys.argv[1], f"tmp-{ctx.rank}"), Path(sys.argv[1], f"pid-{ctx.rank}"))
 time.sleep(120)  # "training": far longer than the test waits
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (killed, not yet reaped by the init process) is not running either.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_killing_the_launcher_kills_its_workers(tmp_path: Path) -> None:
@@ -52,10 +43,10 @@ def test_killing_the_launcher_kills_its_workers(tmp_path: Path) -> None:
         launcher.send_signal(signal.SIGKILL)  # no chance to forward anything to the workers
         launcher.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [p for p in pids if _alive(p)] == []
+        assert [p for p in pids if alive(p)] == []
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from accel import RunContext, gather
 from accel.testing import run_world
+from tests.processes import alive
 
 pytestmark = pytest.mark.dist
 
@@ -45,25 +46,15 @@ def test_ranks_can_start_dataloader_workers(tmp_path: Path) -> None:
     assert set(results[0]) == workers
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a killed child not yet reaped by its (dead) parent is a zombie: gone for our purpose
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-
-
 def test_timeout_kills_ranks_and_their_workers(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] were still running"):
         run_world(_read_with_workers, world_size=2, timeout=15, args=(str(tmp_path), True))
     workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
     assert len(workers) == 4
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in workers if _alive(p)], "DataLoader workers outlived their killed rank"
+    assert not [p for p in workers if alive(p)], "DataLoader workers outlived their killed rank"
 
 
 def _start_method(ctx: RunContext) -> str:
