@@ -17,25 +17,19 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from accel.checkpoint._header import DTYPES
+
 INDEX = "index.json"
 READ_CHUNK = 16 * 2**20
 """Bytes read at a time when a tensor is cast while loading."""
 
+# numpy has no bf16 or float8: their bits are held in integers of the same width
+_NUMPY_HOLDERS = MappingProxyType({"BF16": np.int16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8})
 # safetensors dtype name -> (torch dtype, numpy dtype that holds its bits)
 ST_DTYPES = MappingProxyType(
     {
-        "F64": (torch.float64, np.float64),
-        "F32": (torch.float32, np.float32),
-        "F16": (torch.float16, np.float16),
-        "BF16": (torch.bfloat16, np.int16),
-        "F8_E4M3": (torch.float8_e4m3fn, np.uint8),
-        "F8_E5M2": (torch.float8_e5m2, np.uint8),
-        "I64": (torch.int64, np.int64),
-        "I32": (torch.int32, np.int32),
-        "I16": (torch.int16, np.int16),
-        "I8": (torch.int8, np.int8),
-        "U8": (torch.uint8, np.uint8),
-        "BOOL": (torch.bool, np.bool_),
+        name: (dtype, _NUMPY_HOLDERS.get(name) or torch.empty((), dtype=dtype).numpy().dtype.type)
+        for name, dtype in DTYPES.items()
     }
 )
 TORCH_TO_ST = MappingProxyType({t: name for name, (t, _) in ST_DTYPES.items()})
