@@ -196,6 +196,9 @@ def _join(procs: list[Any], timeout: float, outdir: Path) -> None:
             )
         for sentinel in wait(list(running), timeout=left):
             rank = running.pop(sentinel)
+            # Whatever the rank left behind (DataLoader workers of a rank that crashed) dies
+            # now, while the unreaped rank still holds its pid, so no reused pid is hit.
+            _kill_tree(procs[rank])
             procs[rank].join()
             if procs[rank].exitcode != 0:
                 _raise_rank_error(procs, rank, outdir)

@@ -69,3 +69,30 @@ def test_ranks_start_workers_with_the_platform_default_method() -> None:
     # as under torchrun: not "spawn" inherited from run_world (seconds per worker)
     default = multiprocessing.get_all_start_methods()[0]
     assert run_world(_start_method, world_size=1, timeout=60) == [default]
+
+
+def _leave_a_child(ctx: RunContext, crash: bool) -> int:
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "120"])  # in the rank's process group, never waited for
+    if crash and ctx.rank == 1:
+        raise RuntimeError(f"rank 1 crashed, leaving pid {child.pid}")
+    return child.pid
+
+
+def _gone_soon(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["ranks-return", "a-rank-crashes"])
+def test_children_a_rank_leaves_behind_are_killed(crash: bool) -> None:
+    if crash:
+        with pytest.raises(RuntimeError, match=r"rank 1 crashed, leaving pid") as info:
+            run_world(_leave_a_child, world_size=2, timeout=60, args=(True,))
+        pids = [int(str(info.value).rsplit(" ", 1)[1])]
+    else:
+        pids = run_world(_leave_a_child, world_size=2, timeout=60, args=(False,))
+    assert all(_gone_soon(p) for p in pids), "a child of a finished rank outlived run_world"
