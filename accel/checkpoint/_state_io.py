@@ -6,6 +6,7 @@ Layout of a state directory (every rank sees the same filesystem, as with torch 
     <name>.json                  the object's state structure and numbers (tagged JSON)
     <name>.safetensors           the object's tensors
     <name>/rank<r>.{json,safetensors}   a PerRank object, one pair per rank
+    <name>/grads-rank<r>.{json,safetensors}   a model's gradients inside an accumulation window
     rng/rank<r>.{json,safetensors}      each rank's Python, NumPy, torch and CUDA RNG states
     dcp/                         FSDP2 models and optimizers, sharded by torch DCP
 
@@ -32,6 +33,7 @@ from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
 from accel.parallel._dtensor import is_sharded
+from accel.parallel._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 RNG = "rng"
@@ -94,15 +96,6 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
             optimizers.append((name, obj))
         else:
             kinds.append((name, _kind(obj)))
-    if dcp_names is None:  # saving: refuse what would be lost, before any file or collective
-        for name, model in dcp_models.items():
-            if accumulated_grads(model):
-                raise NotImplementedError(
-                    f"{fn}: {name}= is sharded by FSDP2 and holds gradients accumulated inside "
-                    "an accumulation window; saving sharded gradients is not supported, and "
-                    "dropping them would make the resumed run differ. Save after the optimizer "
-                    "step and zero_grad (when accumulate yields sync=True)."
-                )
     dcp_optimizers = []
     for name, opt in optimizers:
         owner = _dcp.owner_model(opt, dcp_models)
@@ -157,6 +150,9 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
             files[name] = _pack(fn, name, state, {"kind": kind, "aliases": aliases}, copy)
         if kind == "module" and (grads := accumulated_grads(objects[name])):
             # Inside an accumulation window: every rank's own sums (not reduced yet under DDP).
+            files[_grad_stem(name, ctx.rank)] = _pack(fn, name, grads, {"kind": GRADS}, copy)
+    for name, model in plan.dcp_models:
+        if grads := window_grads(model):  # sharded, or FSDP2's unsharded sums in a window
             files[_grad_stem(name, ctx.rank)] = _pack(fn, name, grads, {"kind": GRADS}, copy)
     files[f"{RNG}/rank{ctx.rank}"] = _pack(fn, RNG, get_rng_state(), {"kind": RNG}, copy)
     return files
@@ -305,6 +301,9 @@ def load(
                 grads.append((obj, _read_grads(fn, ctx, directory, manifest, name, obj)))
         if plan.dcp_models:
             _verify_dcp(fn, directory, manifest)
+        dcp_grads = [
+            (m, _read_grads(fn, ctx, directory, manifest, n, m)) for n, m in plan.dcp_models
+        ]
         rng = _read_rng(fn, ctx, directory, manifest)
     except FileNotFoundError as err:
         if directory.is_dir():
@@ -323,6 +322,8 @@ def load(
     if plan.dcp_models:
         models = dict(plan.dcp_models)
         _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
+    for model, saved in dcp_grads:
+        restore_window_grads(fn, model, saved or {})
     if rng is not None:
         set_rng_state(rng)
     elif ctx.seed is not None:  # a rank the saved run did not have: seeded from the run seed
@@ -354,7 +355,7 @@ def _read_grads(
     if _atomic.expected(manifest, f"{stem}.json") is None:
         return None
     grads, _ = _read(fn, directory, manifest, stem)
-    unknown = sorted(set(grads) - set(params))
+    unknown = sorted({k.removeprefix(UNSHARDED) for k in grads} - set(params))
     if unknown:
         raise ValueError(
             f"{fn}: {str(directory / stem)!r} holds gradients of parameters {unknown[:5]} that "

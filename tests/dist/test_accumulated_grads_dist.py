@@ -16,22 +16,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import accel
+from accel import Parallelism
 from accel.testing import run_world
 
 MICRO_STEPS = 6
 
 
-def _setup(ctx: accel.RunContext, init_seed: int) -> tuple[nn.Module, torch.optim.Optimizer, accel.RunContext]:
+TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def _setup(
+    ctx: accel.RunContext, init_seed: int
+) -> tuple[nn.Module, torch.optim.Optimizer, accel.RunContext]:
     ctx = dataclasses.replace(ctx, grad_accum_steps=3)
-    torch.manual_seed(init_seed)  # a resumed run starts from other weights: load_state must fix them
-    model = accel.wrap_model(ctx, nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    torch.manual_seed(
+        init_seed
+    )  # a resumed run starts from other weights: load_state must fix them
+    tp = ctx.parallelism is not None and ctx.parallelism.tp > 1
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = accel.wrap_model(ctx, model, tp_plan=TP_PLAN if tp else None)  # DDP, FSDP2 or both
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ctx
 
 
-def _micro_step(ctx: accel.RunContext, model: nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
-    g = torch.Generator().manual_seed(100 * k + ctx.rank)  # each rank its own data
+def _micro_step(
+    ctx: accel.RunContext, model: nn.Module, opt: torch.optim.Optimizer, k: int
+) -> None:
+    g = torch.Generator().manual_seed(100 * k + ctx.dp_rank)  # each data-parallel rank its own
     x, y = torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)
     with accel.accumulate(ctx, model, k) as sync:
         accel.scaled_backward(ctx, F.mse_loss(model(x), y))
@@ -41,7 +54,8 @@ def _micro_step(ctx: accel.RunContext, model: nn.Module, opt: torch.optim.Optimi
 
 
 def _weights(model: nn.Module) -> list[list[float]]:
-    return [p.detach().flatten().tolist() for p in accel.unwrap_model(model).parameters()]
+    params = [p.detach() for p in accel.unwrap_model(model).parameters()]
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).flatten().tolist() for p in params]
 
 
 def _train(ctx: accel.RunContext, folder: str, save_after: int | None) -> dict[str, Any]:
@@ -67,49 +81,57 @@ def _resume(ctx: accel.RunContext, folder: str, saved_after: int) -> list[list[f
     return _weights(model)
 
 
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.dist)])
+WORLDS = {
+    "1 process": (1, None),
+    "ddp-2": (2, None),
+    "fsdp2-2": (2, Parallelism(dp_shard=2)),  # the sums sit on FSDP2's unsharded parameters
+    "fsdp2xtp-4": (4, Parallelism(dp_shard=2, tp=2)),  # ... which are tensor-parallel DTensors
+}
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(w, marks=[pytest.mark.dist] if WORLDS[w][0] > 1 else []) for w in WORLDS],
+)
 def test_resume_inside_an_accumulation_window_matches_the_uninterrupted_run(
-    world_size: int, tmp_path: Path
+    world: str, tmp_path: Path
 ) -> None:
+    world_size, parallelism = WORLDS[world]
     folder = str(tmp_path)
-    straight = run_world(_train, world_size=world_size, timeout=120, args=(folder, None))
-    saved = run_world(_train, world_size=world_size, timeout=120, args=(folder, 1))
+
+    def run(fn: Any, *args: Any) -> Any:
+        return run_world(fn, world_size=world_size, timeout=120, args=(folder, *args),
+                         parallelism=parallelism)  # fmt: skip
+
+    straight, saved = run(_train, None), run(_train, 1)
     assert [r["weights"] for r in saved] == [r["weights"] for r in straight]
     for after in (1, 2):
-        resumed = run_world(_resume, world_size=world_size, timeout=120, args=(folder, after))
-        assert resumed == [r["weights"] for r in straight], f"resumed after micro-step {after}"
+        assert run(_resume, after) == [r["weights"] for r in straight], f"resumed after {after}"
     # after micro-step 1 (no sync yet) every rank's accumulated gradients are in the checkpoint;
     # after micro-step 2 (synced, zero_grad(set_to_none=True)) there are none to write
     files1, files2 = saved[0]["files1"], saved[0]["files2"]
     for r in range(world_size):
         assert any("grad" in f and f"rank{r}" in f for f in files1), files1
     assert not any("grad" in f for f in files2), files2
-    if world_size > 1:  # partial per-rank sums cannot move to another world size
+    if world_size > 1 and parallelism is None:  # per-rank sums cannot move to another size
         model, opt, ctx = _setup(accel.RunContext.single(), init_seed=1)
-        with pytest.raises(ValueError, match="accumulated on world_size=2 ranks .* world_size=1"):
+        with pytest.raises(ValueError, match=r"accumulated on world_size=2 ranks .* world_size=1"):
             accel.load_state(ctx, Path(folder, "after1"), model=model, optimizer=opt)
 
 
-def _fsdp_inside_window(ctx: accel.RunContext, folder: str) -> list[str]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
-    model(torch.randn(3, 4)).sum().backward()
-    errors = []
+def _fsdp_at_another_mesh(ctx: accel.RunContext, folder: str) -> str:
+    model, opt, ctx = _setup(ctx, init_seed=1)
     try:
-        accel.save_state(ctx, Path(folder, "fsdp"), model=model)
-    except NotImplementedError as err:
-        errors.append(str(err))
-    model.zero_grad(set_to_none=True)
-    accel.save_state(ctx, Path(folder, "fsdp"), model=model)  # outside a window: saved
-    return errors
+        accel.load_state(ctx, Path(folder, "after1"), model=model, optimizer=opt)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 @pytest.mark.dist
-def test_sharded_gradients_inside_a_window_are_refused_by_name(tmp_path: Path) -> None:
-    errors = run_world(_fsdp_inside_window, world_size=2, timeout=120, args=(str(tmp_path),))
-    for err in errors:
-        assert err and "model= is sharded by FSDP2 and holds gradients accumulated" in err[0]
-    assert (tmp_path / "fsdp" / "accel-manifest.json").is_file()
-    assert not any("grad" in p.name for p in (tmp_path / "fsdp").rglob("*"))
+def test_sharded_window_gradients_load_only_at_their_mesh(tmp_path: Path) -> None:
+    run_world(_train, world_size=2, timeout=120, args=(str(tmp_path), 1),
+              parallelism=Parallelism(dp_shard=2))  # fmt: skip
+    errors = run_world(_fsdp_at_another_mesh, world_size=4, timeout=120,
+                       args=(str(tmp_path),), parallelism=Parallelism(dp_shard=4))  # fmt: skip
+    assert all("accumulated on world_size=2 ranks" in e for e in errors), errors
