@@ -9,6 +9,7 @@ GF(2), about a hundred microseconds of Python per distinct chunk length).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import zlib
@@ -30,6 +31,7 @@ def _multiply(a: int, b: int) -> int:
     return product
 
 
+@functools.lru_cache(maxsize=256)  # runs of one length (rows of a slice) share their shift
 def _shift(nbytes: int) -> int:
     """x^(8 * nbytes) modulo the CRC polynomial."""
     result, square = _ONE, _X8

@@ -152,9 +152,6 @@ def as_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------ headers
-
-
 # ------------------------------------------------------------------------------ checksums
 
 

@@ -6,6 +6,7 @@ filesystem, the tensors are streamed to rank 0 one at a time instead.
 
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import barrier, require_group
+from accel.checkpoint._crc32 import combine
 from accel.checkpoint._model_io import FILE_METADATA, partial_path
 from accel.checkpoint._safetensors_io import header_bytes
 from accel.checkpoint._sharded_io import (
@@ -29,36 +31,52 @@ from accel.checkpoint._sharded_io import (
 from accel.context import RunContext
 from accel.parallel._dtensor import is_dtensor
 
+Piece = tuple[int, int, int]
+"""A byte run a rank wrote into a file: (offset, length, crc32 of its bytes)."""
+_MAX_COMBINED = 4096  # runs per file past which reading the file back checksums it faster
+
 
 def presize(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
     """Create `path` holding the header of `tensors` (global shapes) and room for their bytes."""
-    head = header_bytes(tensors, metadata)
-    total = len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
     with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(total)
+        f.write(header_bytes(tensors, metadata))
+        f.truncate(file_size(tensors, metadata))
+
+
+def file_size(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+    """The size of the safetensors file of `tensors` (global shapes)."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    return len(header_bytes(tensors, metadata)) + data
 
 
 def write_slices(
     path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, is_main: bool
-) -> None:
+) -> list[Piece] | None:
     """Write this rank's slices of `tensors` into the pre-sized `path`, and fsync them.
 
     A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
-    by the main rank.
+    by the main rank, which also checksums the header. Returns the (offset, length, crc32) of
+    each byte run written, checksummed from memory as it is written, or None once the runs are
+    too many to combine (the file is then checksummed by reading it back).
     """
-    start = len(header_bytes(tensors, metadata))
+    head = header_bytes(tensors, metadata)
+    pieces: list[Piece] | None = [(0, len(head), zlib.crc32(head))] if is_main else []
     fd = os.open(path, os.O_WRONLY)
     try:
-        offset = start
+        offset = len(head)
         for t in tensors.values():
             nbytes = t.numel() * t.element_size()
             for file_at, view in _slices_to_write(t, is_main):
                 os.pwritev(fd, [view], offset + file_at)
+                if pieces is not None and len(pieces) < _MAX_COMBINED:
+                    pieces.append((offset + file_at, len(view), zlib.crc32(view)))
+                else:
+                    pieces = None
             offset += nbytes
         os.fsync(fd)
     finally:
         os.close(fd)
+    return pieces
 
 
 def _slices_to_write(t: torch.Tensor, is_main: bool) -> Iterator[tuple[int, memoryview]]:
@@ -104,15 +122,50 @@ def save_sharded(
             presize(path, tensors, FILE_METADATA)
     barrier(ctx, fn)
     if _is_shared(ctx, paths, group):
-        for path, (_, tensors) in zip(paths, layout, strict=True):
+        pieces = [
             write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
-        barrier(ctx, fn)
-        sums = dict(zip(paths, split_checksums(paths, group), strict=True))
+            for path, (_, tensors) in zip(paths, layout, strict=True)
+        ]
+        sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
+        sums = _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group)
     else:
         sums = _stream_to_main(ctx, paths, layout)
     if ctx.is_main:
         publish(lambda path, **_: sums[path])
     barrier(ctx, fn)
+
+
+def _file_checksums(
+    ctx: RunContext, paths: Mapping[Path, int], pieces: list[list[Piece] | None], group: Any
+) -> dict[Path, tuple[int, int]]:
+    """(size, crc32) of each file (path -> its size) from the checksums of the runs every rank
+    wrote.
+
+    The runs of a file, sorted, must tile it exactly; they then combine into the file's
+    checksum with no byte read back. A file they do not tile (nothing written into a gap), or
+    cut into so many runs that combining them costs more than reading (column slices, one run
+    per row), is checksummed by reading it back, split across ranks.
+    """
+    everyone: list[Any] = [pieces]
+    if group is not None or ctx.world_size > 1:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, pieces, group=group)
+    sums: dict[Path, tuple[int, int]] = {}
+    for i, (path, size) in enumerate(paths.items()):
+        if any(rank_pieces[i] is None for rank_pieces in everyone):
+            continue
+        runs = sorted(run for rank_pieces in everyone for run in rank_pieces[i])
+        total = sum(length for _, length, _ in runs)
+        tiled = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(runs))
+        if runs and runs[0][0] == 0 and tiled and total == size:
+            value = 0
+            for _, length, crc in runs:
+                value = combine(value, crc, length)
+            sums[path] = (total, value)
+    rest = [p for p in paths if p not in sums]  # the same on every rank: computed from `everyone`
+    if rest:
+        sums.update(zip(rest, split_checksums(rest, group), strict=True))
+    return sums
 
 
 def _is_shared(ctx: RunContext, paths: Sequence[Path], group: Any) -> bool:
