@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import barrier, require_group
+from accel.checkpoint._atomic import fsync_path
 from accel.checkpoint._crc32 import combine
 from accel.checkpoint._model_io import FILE_METADATA, partial_path
 from accel.checkpoint._safetensors_io import header_bytes
@@ -52,7 +54,7 @@ def file_size(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) 
 def write_slices(
     path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, is_main: bool
 ) -> list[Piece] | None:
-    """Write this rank's slices of `tensors` into the pre-sized `path`, and fsync them.
+    """Write this rank's slices of `tensors` into the pre-sized `path` (not fsynced yet).
 
     A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
     by the main rank, which also checksums the header. Returns the (offset, length, crc32) of
@@ -73,7 +75,6 @@ def write_slices(
                 else:
                     pieces = None
             offset += nbytes
-        os.fsync(fd)
     finally:
         os.close(fd)
     return pieces
@@ -108,7 +109,10 @@ def save_sharded(
 
     Rank 0 creates each file under its partial name with the header (from global shapes) and
     its full size. When every rank sees those files (a shared filesystem), every rank writes
-    its slices in place and fsyncs, and the checksums are split across ranks; otherwise the
+    its slices in place, then the ranks of each machine fsync the files between them (one
+    fsync per file per machine, after all writes, as a one-process save does: the kernel
+    writes back while the later files are written), and the checksums of the runs written
+    combine into each file's checksum; otherwise the
     tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
     `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
     renames into place, index and manifest.
@@ -121,11 +125,15 @@ def save_sharded(
         for path, (_, tensors) in zip(paths, layout, strict=True):
             presize(path, tensors, FILE_METADATA)
     barrier(ctx, fn)
-    if _is_shared(ctx, paths, group):
+    shared, machines = _survey(ctx, paths, group)
+    if shared:
         pieces = [
             write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
             for path, (_, tensors) in zip(paths, layout, strict=True)
         ]
+        peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
+        for path in paths[peers.index(ctx.rank) :: len(peers)]:
+            fsync_path(path)  # flushes every rank's pages of the file on this machine
         sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
         sums = _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group)
     else:
@@ -168,12 +176,19 @@ def _file_checksums(
     return sums
 
 
-def _is_shared(ctx: RunContext, paths: Sequence[Path], group: Any) -> bool:
-    """True when every rank sees the files rank 0 created (one filesystem for all)."""
+def _survey(ctx: RunContext, paths: Sequence[Path], group: Any) -> tuple[bool, list[str]]:
+    """Whether every rank sees the files rank 0 created (one filesystem for all), and which
+    machine each rank runs on (a page cache is per machine, so one fsync there flushes the
+    pages every rank of that machine wrote)."""
     seen = all(p.is_file() for p in paths)
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, seen, group=group)
-    return all(everyone)
+    dist.all_gather_object(everyone, (seen, _machine()), group=group)
+    return all(s for s, _ in everyone), [m for _, m in everyone]
+
+
+def _machine() -> str:
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
 def _stream_to_main(
