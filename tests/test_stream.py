@@ -286,14 +286,14 @@ def test_a_fresh_pass_after_a_resume_reads_the_whole_datasets_stream(tmp_path: P
     assert sorted(i for b in resumed for i in _ids(b)) == list(range(21))
 
 
-def test_a_position_saved_by_another_rank_is_refused_naming_per_rank() -> None:
+def test_a_position_saved_by_another_rank_is_refused() -> None:
     def make(rank: int) -> accel.ShardedLoader:
         return accel.shard_loader(
             RunContext(rank=rank, world_size=2), DataLoader(GenStream(8), batch_size=2)
         )
 
     state = {**make(0).state_dict(), "position": 1}  # as save_state stores it, from rank 0
-    with pytest.raises(ValueError, match=r"saved by rank 0 but this is rank 1.*PerRank"):
+    with pytest.raises(ValueError, match=r"saved by rank 0 but this is rank 1.*each rank's own"):
         make(1).load_state_dict(state)
 
 

@@ -47,7 +47,9 @@ class PerRank:
 
     By default `save_state` stores each object once, from rank 0 (data-parallel replicas are
     equal). Wrap what is not replicated: `save_state(ctx, d, state=PerRank(holder))`; load with
-    the same wrapper. (A model's accumulated gradients need no wrapper: they are saved per rank.)
+    the same wrapper. An object whose `state_is_per_rank` attribute is True (a `ShardedLoader`
+    over a split stream) is saved per rank without the wrapper, and a model's accumulated
+    gradients are saved per rank too.
     """
 
     obj: Any
@@ -77,7 +79,7 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
     for name, obj in objects.items():
         if name == RNG:
             raise ValueError(f"{fn}: the name {name!r} is reserved for the RNG states; rename it.")
-        target = obj.obj if isinstance(obj, PerRank) else obj
+        target = _unwrapped(obj)
         if not isinstance(target, torch.Generator) and not (
             hasattr(target, "state_dict") and hasattr(target, "load_state_dict")
         ):
@@ -86,7 +88,7 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
                 "pass models, optimizers, schedulers, scalers, loaders, torch.Generator or any "
                 "object with both methods."
             )
-        if isinstance(obj, PerRank):
+        if isinstance(obj, PerRank) or getattr(obj, "state_is_per_rank", False) is True:
             kinds.append((name, "per_rank"))
         elif isinstance(obj, nn.Module) and (
             name in dcp_names if dcp_names is not None else is_sharded(unwrap_model(obj))
@@ -104,6 +106,10 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
         else:
             dcp_optimizers.append((name, opt, owner))
     return Plan(tuple(kinds), tuple(dcp_models.items()), tuple(dcp_optimizers))
+
+
+def _unwrapped(obj: Any) -> Any:
+    return obj.obj if isinstance(obj, PerRank) else obj
 
 
 def _kind(obj: Any) -> str:
@@ -142,7 +148,7 @@ def snapshot(fn: str, ctx: RunContext, plan: Plan, objects: dict[str, Any], copy
     files: Files = {}
     for name, kind in plan.kinds:
         if kind == "per_rank":
-            obj = objects[name].obj
+            obj = _unwrapped(objects[name])
             state, _ = _state_of(_kind(obj), obj)
             files[f"{name}/rank{ctx.rank}"] = _pack(fn, name, state, {"kind": _kind(obj)}, copy)
         elif ctx.is_main:
@@ -293,7 +299,7 @@ def load(
         for name, kind in plan.kinds:
             obj, stem, as_kind = objects[name], name, kind
             if kind == "per_rank":
-                obj, stem = obj.obj, f"{name}/rank{ctx.rank}"
+                obj, stem = _unwrapped(obj), f"{name}/rank{ctx.rank}"
                 as_kind = _kind(obj)
             state, _ = _read(fn, directory, manifest, stem)
             todo.append((as_kind, obj, _prepare(fn, as_kind, obj, state)))

@@ -26,7 +26,7 @@ from accel.data._shard_plan import (
     sampler_indices,
     worker_options,
 )
-from accel.data._stream import describe, open_stream, warn_reread
+from accel.data._stream import SplitStream, describe, open_stream, warn_reread
 
 # Layout of the last batch each rank was given: (size, padding) per rank.
 Layout = tuple[tuple[int, int], ...]
@@ -251,6 +251,12 @@ class ShardedLoader:
         return layout[self.plan.rank][1] if layout else 0
 
     # -- checkpointing -----------------------------------------------------------------------
+
+    @property
+    def state_is_per_rank(self) -> bool:
+        """True when every rank's state is its own (a stream split across ranks and workers):
+        `save_state` then saves and loads each rank's copy, as `PerRank(loader)` would."""
+        return isinstance(self._stream, SplitStream)
 
     def _dataset_length(self) -> int | None:
         try:

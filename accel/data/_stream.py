@@ -284,8 +284,8 @@ class SplitStream:
             raise ValueError(
                 f"ShardedLoader.load_state_dict: this stream position was saved by rank "
                 f"{state.get('rank')!r} but this is rank {self.plan.rank}; every rank reads its "
-                "own part of a split stream, so each needs its own position. With save_state/"
-                "load_state, pass the loader as accel.PerRank(loader)."
+                "own part of a split stream, so each needs its own position. save_state/"
+                "load_state keep each rank's own; with state_dict() directly, load each rank's."
             )
         if state.get("num_workers") != self.num_workers:
             raise ValueError(

@@ -181,14 +181,16 @@ def _resume_world(ctx: accel.RunContext, folder: str, kind: str) -> dict[str, An
         out: list[Any] = []
         for s, stop in enumerate([*stops, None]):
             loader = make()
+            # A split stream's loader is saved per rank with or without PerRank: alternate.
+            as_saved = accel.PerRank(loader) if s % 2 else loader
             if s:
-                accel.load_state(ctx, f"{folder}/{tag}-{s}", loader=accel.PerRank(loader))
+                accel.load_state(ctx, f"{folder}/{tag}-{s}", loader=as_saved)
             if stop != len(out):
                 for k, batch in enumerate(loader, start=len(out)):
                     out.append((_ids(batch).tolist(), loader.padding))
                     if k + 1 == stop:
                         break
-            accel.save_state(ctx, f"{folder}/{tag}-{s + 1}", loader=accel.PerRank(loader))
+            accel.save_state(ctx, f"{folder}/{tag}-{s + 1}", loader=as_saved)
         return out
 
     reference = run([], "ref")
