@@ -75,36 +75,50 @@ def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
             yield v[start : start + CHUNK]
 
 
-class _Checksum:
-    """A running crc32 computed in a helper thread, in submission order.
+class Checksum:
+    """crc32 computed in a helper thread, in submission order, while the caller writes.
 
+    One running value over every chunk added (`result`), or with `each=True` one value per
+    chunk (`results`). `pending` bounds how many chunks may wait (`add` blocks beyond it), so
+    a writer whose chunks are copies (a GPU shard brought to the CPU) holds only that many.
     A plain thread and queue rather than concurrent.futures, whose pools refuse work once the
     interpreter begins shutting down, which is when a background save may still be running.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, each: bool = False, pending: int = 0) -> None:
         self.value = 0
-        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self.values: list[int] = []
+        self._each = each
+        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=pending)
         self._thread = threading.Thread(target=self._run, name="accel-crc32", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:
-            self.value = zlib.crc32(chunk, self.value)
+            if self._each:
+                self.values.append(zlib.crc32(chunk))
+            else:
+                self.value = zlib.crc32(chunk, self.value)
 
     def add(self, chunk: memoryview) -> None:
         self._queue.put(chunk)
 
     def result(self) -> int:
+        """The running crc32, once every chunk added is done (ends the thread)."""
         self._queue.put(None)
         self._thread.join()
         return self.value
+
+    def results(self) -> list[int]:
+        """The crc32 of each chunk added (with `each=True`), once all are done."""
+        self.result()
+        return self.values
 
 
 class PendingWrite:
     """A file whose bytes are written (not fsynced) while its crc32 may still be running."""
 
-    def __init__(self, size: int, checksum: _Checksum) -> None:
+    def __init__(self, size: int, checksum: Checksum) -> None:
         self.size = size
         self._checksum = checksum
 
@@ -122,7 +136,7 @@ def start_write(
     disk's time) overlaps with it.
     """
     views = [memoryview(header_bytes(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
-    crc = _Checksum()
+    crc = Checksum()
     size = 0
     try:
         with open(path, "wb", buffering=0) as f:

@@ -21,7 +21,7 @@ from accel._groups import barrier, require_group
 from accel.checkpoint._atomic import fsync_path
 from accel.checkpoint._crc32 import combine
 from accel.checkpoint._model_io import FILE_METADATA, partial_path
-from accel.checkpoint._safetensors_io import header_bytes
+from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
     as_buffer,
     byte_runs,
@@ -58,26 +58,36 @@ def write_slices(
 
     A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
     by the main rank, which also checksums the header. Returns the (offset, length, crc32) of
-    each byte run written, checksummed from memory as it is written, or None once the runs are
-    too many to combine (the file is then checksummed by reading it back).
+    each byte run written (in chunks of at most `CHUNK`), checksummed from memory in a helper
+    thread while it is written, or None once the runs are too many to combine (the file is then
+    checksummed by reading it back).
     """
     head = header_bytes(tensors, metadata)
-    pieces: list[Piece] | None = [(0, len(head), zlib.crc32(head))] if is_main else []
+    crc = Checksum(each=True, pending=4)  # overlapped with the writes, as a plain save does
+    runs: list[tuple[int, int]] | None = [(0, len(head))] if is_main else []
+    if is_main:
+        crc.add(memoryview(head))
     fd = os.open(path, os.O_WRONLY)
     try:
         offset = len(head)
         for t in tensors.values():
-            nbytes = t.numel() * t.element_size()
             for file_at, view in _slices_to_write(t, is_main):
-                os.pwritev(fd, [view], offset + file_at)
-                if pieces is not None and len(pieces) < _MAX_COMBINED:
-                    pieces.append((offset + file_at, len(view), zlib.crc32(view)))
-                else:
-                    pieces = None
-            offset += nbytes
+                if runs is not None and len(runs) >= _MAX_COMBINED:
+                    runs = None  # too many to combine: the file is read back instead
+                # Chunk by chunk, the helper checksumming the chunk being written (cache-warm).
+                for start in range(0, len(view), CHUNK):
+                    part = view[start : start + CHUNK]
+                    if runs is not None:
+                        crc.add(part)
+                        runs.append((offset + file_at + start, len(part)))
+                    os.pwritev(fd, [part], offset + file_at + start)
+            offset += t.numel() * t.element_size()
     finally:
         os.close(fd)
-    return pieces
+        values = crc.results()
+    if runs is None:
+        return None
+    return [(at, length, value) for (at, length), value in zip(runs, values, strict=True)]
 
 
 def _slices_to_write(t: torch.Tensor, is_main: bool) -> Iterator[tuple[int, memoryview]]:
