@@ -48,7 +48,7 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _multiply(_shift(len_b), crc_a) ^ crc_b
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -58,7 +58,7 @@ def _usable_cpus() -> int:
 def crc32(data: memoryview, *, chunk: int = 8 << 20) -> int:
     """`zlib.crc32(data)`, with chunks of `chunk` bytes checksummed on up to 8 threads."""
     starts = range(0, len(data), chunk)
-    workers = min(len(starts), _usable_cpus(), _MAX_THREADS)
+    workers = min(len(starts), usable_cpus(), _MAX_THREADS)
     if workers <= 1:
         return zlib.crc32(data)
     parts = [0] * len(starts)

@@ -81,32 +81,42 @@ class Checksum:
     One running value over every chunk added (`result`), or with `each=True` one value per
     chunk (`results`). `pending` bounds how many chunks may wait (`add` blocks beyond it), so
     a writer whose chunks are copies (a GPU shard brought to the CPU) holds only that many.
+    With `thread=False` each chunk is checksummed in `add` itself (no spare core to use).
     A plain thread and queue rather than concurrent.futures, whose pools refuse work once the
     interpreter begins shutting down, which is when a background save may still be running.
     """
 
-    def __init__(self, *, each: bool = False, pending: int = 0) -> None:
+    def __init__(self, *, each: bool = False, pending: int = 0, thread: bool = True) -> None:
         self.value = 0
         self.values: list[int] = []
         self._each = each
         self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=pending)
-        self._thread = threading.Thread(target=self._run, name="accel-crc32", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="accel-crc32", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:
-            if self._each:
-                self.values.append(zlib.crc32(chunk))
-            else:
-                self.value = zlib.crc32(chunk, self.value)
+            self._checksum(chunk)
+
+    def _checksum(self, chunk: memoryview) -> None:
+        if self._each:
+            self.values.append(zlib.crc32(chunk))
+        else:
+            self.value = zlib.crc32(chunk, self.value)
 
     def add(self, chunk: memoryview) -> None:
-        self._queue.put(chunk)
+        if self._thread is None:
+            self._checksum(chunk)
+        else:
+            self._queue.put(chunk)
 
     def result(self) -> int:
         """The running crc32, once every chunk added is done (ends the thread)."""
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         return self.value
 
     def results(self) -> list[int]:

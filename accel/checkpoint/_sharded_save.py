@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from accel._groups import barrier, require_group
 from accel.checkpoint._atomic import fsync_path
-from accel.checkpoint._crc32 import combine
+from accel.checkpoint._crc32 import combine, usable_cpus
 from accel.checkpoint._model_io import FILE_METADATA, partial_path
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
@@ -52,18 +52,23 @@ def file_size(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) 
 
 
 def write_slices(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, is_main: bool
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    *,
+    is_main: bool,
+    spare_core: bool = True,
 ) -> list[Piece] | None:
     """Write this rank's slices of `tensors` into the pre-sized `path` (not fsynced yet).
 
     A DTensor slice is written by one of its replicas; a plain tensor (the same on every rank)
     by the main rank, which also checksums the header. Returns the (offset, length, crc32) of
-    each byte run written (in chunks of at most `CHUNK`), checksummed from memory in a helper
-    thread while it is written, or None once the runs are too many to combine (the file is then
-    checksummed by reading it back).
+    each byte run written (in chunks of at most `CHUNK`), checksummed from memory while it is
+    written (in a helper thread when this rank has a `spare_core`, else inline), or None once
+    the runs are too many to combine (the file is then checksummed by reading it back).
     """
     head = header_bytes(tensors, metadata)
-    crc = Checksum(each=True, pending=4)  # overlapped with the writes, as a plain save does
+    crc = Checksum(each=True, pending=4, thread=spare_core)
     runs: list[tuple[int, int]] | None = [(0, len(head))] if is_main else []
     if is_main:
         crc.add(memoryview(head))
@@ -137,11 +142,14 @@ def save_sharded(
     barrier(ctx, fn)
     shared, machines = _survey(ctx, paths, group)
     if shared:
+        peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
+        # A helper thread checksums while the rank writes, as a one-process save does, when
+        # the machine has a core for it; with as many ranks as cores it would only contend.
+        spare = usable_cpus() >= 2 * len(peers)
         pieces = [
-            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main)
+            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
             for path, (_, tensors) in zip(paths, layout, strict=True)
         ]
-        peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
         for path in paths[peers.index(ctx.rank) :: len(peers)]:
             fsync_path(path)  # flushes every rank's pages of the file on this machine
         sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
