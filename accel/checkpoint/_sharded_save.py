@@ -172,10 +172,8 @@ def _file_checksums(
     cut into so many runs that combining them costs more than reading (column slices, one run
     per row), is checksummed by reading it back, split across ranks.
     """
-    everyone: list[Any] = [pieces]
-    if group is not None or ctx.world_size > 1:
-        everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, pieces, group=group)
+    everyone: list[Any] = [None] * ctx.world_size  # a sharded model has a group, as in _survey
+    dist.all_gather_object(everyone, pieces, group=group)
     sums: dict[Path, tuple[int, int]] = {}
     for i, (path, size) in enumerate(paths.items()):
         if any(rank_pieces[i] is None for rank_pieces in everyone):

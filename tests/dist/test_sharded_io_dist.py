@@ -266,7 +266,7 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
 @pytest.mark.parametrize(
     ("world_size", "kind"),
     [
-        (2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "tp-2d-read-back"), (4, "fsdp2xtp"),
+        (1, "fsdp2"), (2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "tp-2d-read-back"), (4, "fsdp2xtp"),
         (4, "fsdp2xtp-unshared"),
     ],  # fmt: skip
 )
