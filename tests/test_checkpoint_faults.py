@@ -102,14 +102,15 @@ def test_disk_full_removes_the_partial_save_and_names_the_path(tmpfs: Path) -> N
     _assert_clean(root, [3])
 
 
-def _fill_limited(root: str, out: Any) -> None:
+def _fill_limited(root: str, limit: int, out: Any) -> None:
     torch.set_num_threads(1)
     try:
-        # A file-size limit makes the kernel refuse writes past 1 MiB (EFBIG): a disk that
+        # A file-size limit makes the kernel refuse writes past `limit` (EFBIG): a disk that
         # fills during the write, without mount rights.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        accel.save_checkpoint(CTX, root, {"model": _model(2.0, width=1024)}, step=2)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        width = 1024 if limit == 1 << 20 else 64  # 4 MiB past the limit, or the same model
+        accel.save_checkpoint(CTX, root, {"model": _model(2.0, width=width)}, step=2)
         out.send(("saved", 0, ""))
     except OSError as err:
         out.send(("error", err.errno, str(err)))
@@ -127,18 +128,67 @@ def _forked(target: Any, *args: Any) -> Any:
     return child
 
 
+@pytest.mark.parametrize("where", ["midway", "in the last tensor"])
 def test_write_failing_midway_removes_the_partial_save_and_names_the_path(
-    tmp_path: Path,
+    tmp_path: Path, where: str
 ) -> None:
     root = _root(tmp_path)
     _save(root, 1)
+    limit = 1 << 20
+    if where == "in the last tensor":  # a short write, then no next write to raise
+        limit = max(p.stat().st_size for p in (root / "step-1").rglob("*.safetensors")) - 8
     receive, send = mp.get_context("fork").Pipe(duplex=False)
-    child = _forked(_fill_limited, str(root), send)
+    child = _forked(_fill_limited, str(root), limit, send)
     kind, code, message = receive.recv()
     child.join()
     assert kind == "error", message
     assert code == errno.EFBIG and "step-2" in message, message
     _assert_clean(root, [1])
+
+
+def _small_then_large(value: float) -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(64, 64))  # the last shard is the largest
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _save_model_limited(directory: str, limit: int, max_shard_size: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        accel.save_model(CTX, _small_then_large(2.0), directory, max_shard_size=max_shard_size)
+        out.send(("saved", 0, ""))
+    except OSError as err:
+        out.send(("error", err.errno, str(err)))
+    except BaseException:
+        out.send(("crash", 0, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("max_shard_size", [1 << 30, 4096], ids=["one-file", "shards"])
+def test_a_write_cut_short_in_the_last_tensor_fails_the_save(
+    tmp_path: Path, max_shard_size: int
+) -> None:
+    # The kernel may write fewer bytes than asked and report it (a filling disk, a size limit),
+    # raising only on the next write. Here the limit falls inside the largest file's last
+    # tensor, so no next write comes: a writer that ignores the count publishes a truncated
+    # file. With shards, the largest is the last: the earlier ones must not be replaced either.
+    directory = tmp_path / "model"
+    accel.save_model(CTX, _small_then_large(1.0), directory, max_shard_size=max_shard_size)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    limit = max(len(b) for n, b in before.items() if n.endswith(".safetensors")) - 8
+    receive, send = mp.get_context("fork").Pipe(duplex=False)
+    child = _forked(_save_model_limited, str(directory), limit, max_shard_size, send)
+    kind, code, message = receive.recv()
+    child.join()
+    assert kind == "error", message
+    assert code == errno.EFBIG and str(directory) in message and "safetensors" in message, message
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # nothing left over
+    model = _small_then_large(-1.0)
+    accel.load_checkpoint_in_model(model, directory)
+    assert all(bool((p == 1.0).all()) for p in model.parameters())
 
 
 def test_read_only_root_fails_naming_it_and_leaves_the_last_checkpoint(

@@ -100,6 +100,8 @@ def save_model(
 
     Raises:
         ValueError: for a bad `max_shard_size`, or a tensor on the meta device.
+        OSError: a write failed (disk full, read-only folder); it names the folder and the
+            file, the partial files are removed and the folder's files are as they were.
 
     Example:
         >>> import tempfile
@@ -115,7 +117,7 @@ def save_model(
     state = inner.state_dict()
     if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
         tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
-        publish = partial(publish_model_files, Path(directory), tensors, aliases, max_bytes)
+        publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
         save_sharded(ctx, Path(directory), file_layout(tensors, max_bytes), publish)
         return
     if has_dtensors(state.values()):

@@ -106,6 +106,24 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def write_at(fd: int, data: memoryview, offset: int, path: Path) -> None:
+    """Write all of `data` at `offset` of the open `fd` (of `path`, named in an error).
+
+    The kernel may write fewer bytes than asked and say so (a disk filling up, a file-size
+    limit, a signal), raising only if the next write cannot go on; taking the count for
+    success would publish a file with a hole. So the rest is written until none is left.
+    """
+    done = 0
+    while done < len(data):
+        try:
+            wrote = os.pwrite(fd, data[done:], offset + done)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        if wrote == 0:  # no progress and no error: never loop forever
+            raise OSError(errno.EIO, "the write made no progress", str(path))
+        done += wrote
+
+
 def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> tuple[int, int]:
     """Write (and by default fsync) a small file; return (size, crc32)."""
     with open(path, "wb") as f:

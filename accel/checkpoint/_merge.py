@@ -20,7 +20,13 @@ import torch
 from accel._size import parse_size
 from accel.checkpoint import _atomic
 from accel.checkpoint._dcp import DCP_DIR, _reader
-from accel.checkpoint._model_io import FILE_METADATA, file_layout, partial_path, publish_model_files
+from accel.checkpoint._model_io import (
+    FILE_METADATA,
+    file_layout,
+    partial_path,
+    partials_removed_on_failure,
+    publish_model_files,
+)
 from accel.checkpoint._safetensors_io import header_bytes
 from accel.checkpoint._sharded_save import presize
 
@@ -58,10 +64,14 @@ def merge_weights(
     destination = Path(dst)
     destination.mkdir(parents=True, exist_ok=True)
     sums = {}
-    for name, shard in file_layout(tensors, max_bytes):
-        path = partial_path(destination / name)
-        sums[path] = _stream_file(folder, path, shard, prefix)
-    publish_model_files(destination, tensors, {}, max_bytes, write=lambda path, **_: sums[path])
+    layout = file_layout(tensors, max_bytes)
+    with partials_removed_on_failure(_FN, destination, [name for name, _ in layout]):
+        for name, shard in layout:
+            path = partial_path(destination / name)
+            sums[path] = _stream_file(folder, path, shard, prefix)
+    publish_model_files(
+        _FN, destination, tensors, {}, max_bytes, write=lambda path, **_: sums[path]
+    )
     return list(tensors)
 
 
@@ -106,8 +116,9 @@ def _stream_file(
                 # One plain process reading a sharded checkpoint is intended here.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp_load({prefix + name: value}, storage_reader=_reader(folder))
-            data = value.reshape(-1).view(torch.uint8).numpy().data if value.numel() else b""
-            os.pwrite(f.fileno(), data, offset)
+            flat = value.reshape(-1).view(torch.uint8)
+            data = flat.numpy().data if value.numel() else memoryview(b"")
+            _atomic.write_at(f.fileno(), data, offset, path)
             crc, offset = zlib.crc32(data, crc), offset + len(data)
             del value
         os.fsync(f.fileno())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -189,59 +189,79 @@ def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
 def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
     """Write the Hugging Face layout of a full state from this process, then publish it."""
     tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    publish_model_files(directory, tensors, aliases, max_bytes, write_file)
+    publish_model_files("save_model", directory, tensors, aliases, max_bytes, write_file)
 
 
 def publish_model_files(
+    fn: str,
     directory: Path,
     tensors: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     max_bytes: int,
     write: Callable[..., tuple[int, int]],
 ) -> None:
-    """Write each file with `write(path, tensors=, metadata=)`, then the index and manifest, and
-    remove this layout's stale files.
+    """Write each file with `write(path, tensors=, metadata=)` under its `partial_path`, then
+    rename them all into place, write the index and manifest, and remove this layout's stale
+    files.
 
     `write` returns the file's (size, crc32). A sharded save or `merge-weights` has already
     written every file under its `partial_path`, and passes a `write` that only reports them.
+    No file is renamed until every one is written, so a failed write leaves the folder's
+    files as they were (`partials_removed_on_failure`).
     """
     layout = file_layout(tensors, max_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     entries: dict[str, list[int]] = {}
-    for name, shard in layout:
-        entries[name] = list(
-            _replace_file(directory / name, partial(write, tensors=shard, metadata=FILE_METADATA))
-        )
-    if len(layout) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {
-            "metadata": {"total_size": total, "tied": dict(aliases)},
-            "weight_map": {k: name for name, shard in layout for k in shard},
+    names = [name for name, _ in layout] + [INDEX_NAME, _atomic.MANIFEST]
+    with partials_removed_on_failure(fn, directory, names):
+        for name, shard in layout:
+            hidden = partial_path(directory / name)
+            entries[name] = list(write(hidden, tensors=shard, metadata=FILE_METADATA))
+        if len(layout) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {
+                "metadata": {"total_size": total, "tied": dict(aliases)},
+                "weight_map": {k: name for name, shard in layout for k in shard},
+            }
+            data = json.dumps(index, indent=2).encode()
+            hidden = partial_path(directory / INDEX_NAME)
+            entries[INDEX_NAME] = list(_atomic.write_bytes(hidden, data))
+        manifest = {
+            "format": _atomic.FORMAT,
+            "accel_version": __version__,
+            "torch_version": torch.__version__,
+            "files": entries,
         }
-        data = json.dumps(index, indent=2).encode()
-        entries[INDEX_NAME] = list(
-            _replace_file(directory / INDEX_NAME, lambda p: _atomic.write_bytes(p, data))
-        )
+        data = json.dumps(manifest, indent=1).encode()
+        _atomic.write_bytes(partial_path(directory / _atomic.MANIFEST), data)
     stale = [
         p for p in directory.iterdir() if _OWN_FILES.fullmatch(p.name) and p.name not in entries
     ]
+    for name in entries:  # each rename atomic: a reader sees the old file or the new one
+        partial_path(directory / name).replace(directory / name)
     if any(p.name == INDEX_NAME for p in stale):  # now one file: the old index must not win over it
         (directory / INDEX_NAME).unlink()
-    manifest = {
-        "format": _atomic.FORMAT,
-        "accel_version": __version__,
-        "torch_version": torch.__version__,
-        "files": entries,
-    }
-    data = json.dumps(manifest, indent=1).encode()
-    _replace_file(directory / _atomic.MANIFEST, lambda p: _atomic.write_bytes(p, data))
+    partial_path(directory / _atomic.MANIFEST).replace(directory / _atomic.MANIFEST)
     for path in stale:  # an earlier save's shards (or single file) of another layout
         path.unlink(missing_ok=True)
     _atomic.fsync_path(directory)
 
 
-def _replace_file(path: Path, write: Callable[[Path], tuple[int, int]]) -> tuple[int, int]:
-    hidden = partial_path(path)
-    result = write(hidden)
-    hidden.replace(path)  # atomic: readers see the old file or the new one, never half
-    return result
+@contextmanager
+def partials_removed_on_failure(fn: str, directory: Path, names: Iterable[str]) -> Iterator[None]:
+    """If the block fails, remove the `partial_path` of each of `names` (this save's own files,
+    not yet renamed into place) and raise a write error naming the folder and the fix."""
+    try:
+        yield
+    except BaseException as err:
+        for name in names:
+            partial_path(directory / name).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno:
+            where = f" ({err.filename})" if err.filename else ""
+            raise OSError(
+                err.errno,
+                f"{fn}: writing into {str(directory)!r} failed: {err.strerror}{where}. The "
+                "partial files were removed and the folder's files are as they were; free "
+                "space (or lift the file-size limit), then save again.",
+            ) from err
+        raise

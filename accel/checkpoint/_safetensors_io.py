@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import torch
 
-from accel.checkpoint._atomic import fsync_path
+from accel.checkpoint._atomic import fsync_path, write_at
 from accel.checkpoint._crc32 import crc32
 from accel.checkpoint._header import (
     DTYPES,
@@ -152,7 +152,7 @@ def start_write(
         with open(path, "wb", buffering=0) as f:
             for chunk in _chunks(views):
                 crc.add(chunk)  # overlapped with the write of the same chunk
-                f.write(chunk)
+                write_at(f.fileno(), chunk, size, path)
                 size += len(chunk)
     except BaseException:
         crc.result()  # stop the thread

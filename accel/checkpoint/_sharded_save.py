@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import barrier, require_group
-from accel.checkpoint._atomic import fsync_path
+from accel.checkpoint._atomic import fsync_path, write_at
 from accel.checkpoint._crc32 import combine, usable_cpus
-from accel.checkpoint._model_io import FILE_METADATA, partial_path
+from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
     as_buffer,
@@ -85,7 +85,7 @@ def write_slices(
                     if runs is not None:
                         crc.add(part)
                         runs.append((offset + file_at + start, len(part)))
-                    os.pwritev(fd, [part], offset + file_at + start)
+                    write_at(fd, part, offset + file_at + start, path)
             offset += t.numel() * t.element_size()
     finally:
         os.close(fd)
@@ -135,30 +135,41 @@ def save_sharded(
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
     paths = [partial_path(directory / name) for name, _ in layout]
-    if ctx.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        for path, (_, tensors) in zip(paths, layout, strict=True):
-            presize(path, tensors, FILE_METADATA)
-    barrier(ctx, fn)
-    shared, machines = _survey(ctx, paths, group)
-    if shared:
-        peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
-        # A helper thread checksums while the rank writes, as a one-process save does, when
-        # the machine has a core for it; with as many ranks as cores it would only contend.
-        spare = usable_cpus() >= 2 * len(peers)
-        pieces = [
-            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
-            for path, (_, tensors) in zip(paths, layout, strict=True)
-        ]
-        for path in paths[peers.index(ctx.rank) :: len(peers)]:
-            fsync_path(path)  # flushes every rank's pages of the file on this machine
-        sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
-        sums = _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group)
-    else:
-        sums = _stream_to_main(ctx, paths, layout)
+    with partials_removed_on_failure(fn, directory, [name for name, _ in layout]):
+        if ctx.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            for path, (_, tensors) in zip(paths, layout, strict=True):
+                presize(path, tensors, FILE_METADATA)
+        barrier(ctx, fn)
+        sums = _write_all_ranks(ctx, paths, layout, group)
     if ctx.is_main:
         publish(lambda path, **_: sums[path])
     barrier(ctx, fn)
+
+
+def _write_all_ranks(
+    ctx: RunContext,
+    paths: Sequence[Path],
+    layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    group: Any,
+) -> dict[Path, tuple[int, int]]:
+    """Every rank writes its slices into the pre-sized `paths` (or streams them to rank 0 where
+    the ranks do not share the files); return each file's (size, crc32)."""
+    shared, machines = _survey(ctx, paths, group)
+    if not shared:
+        return _stream_to_main(ctx, paths, layout)
+    peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
+    # A helper thread checksums while the rank writes, as a one-process save does, when the
+    # machine has a core for it; with as many ranks as cores it would only contend.
+    spare = usable_cpus() >= 2 * len(peers)
+    pieces = [
+        write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
+        for path, (_, tensors) in zip(paths, layout, strict=True)
+    ]
+    for path in paths[peers.index(ctx.rank) :: len(peers)]:
+        fsync_path(path)  # flushes every rank's pages of the file on this machine
+    sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
+    return _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group)
 
 
 def _file_checksums(
@@ -222,7 +233,7 @@ def _stream_to_main(
                 whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
                 if ctx.is_main and whole.numel():
                     data = as_buffer(whole.detach().cpu().contiguous())
-                    os.pwrite(fd, data, offset)
+                    write_at(fd, data, offset, path)
                     crc, offset = zlib.crc32(data, crc), offset + len(data)
                 del whole
             if ctx.is_main:

@@ -7,6 +7,7 @@ model for byte-identical files.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -236,14 +237,28 @@ def _fsdp2_tp(model: nn.Module) -> nn.Module:
     return model
 
 
+def _halving(pwrite: Any) -> Any:
+    """`os.pwrite` stopping halfway through every write, as the kernel may (a signal, a disk
+    filling up) and report it: a writer must go on from where the write stopped."""
+
+    vectored = pwrite is os.pwritev  # os.pwritev takes a list of buffers
+
+    def half(fd: int, data: Any, offset: int) -> int:
+        view = memoryview(data)
+        part = view[: max(1, len(view) // 2)]
+        return int(pwrite(fd, [part], offset) if vectored else pwrite(fd, part, offset))
+
+    return half
+
+
 def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import Shard
 
     model = _tiny(seed=3)
-    if kind == "fsdp2":
-        model = _fsdp2(model)
-    elif kind.startswith("fsdp2xtp"):
+    if kind.startswith("fsdp2xtp"):
         model = _fsdp2_tp(model)
+    elif kind.startswith("fsdp2"):
+        model = _fsdp2(model)
     else:
         model = _tp(model, (Shard(1), Shard(0)))
     reference = _full(model)
@@ -251,10 +266,14 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
         from accel.checkpoint import _sharded_save
 
         _sharded_save._MAX_COMBINED = 1
-    if kind == "fsdp2xtp-unshared":  # as if the ranks did not share the filesystem
+    if "-unshared" in kind:  # as if the ranks did not share the filesystem
         from accel.checkpoint import _sharded_save
 
         _sharded_save._survey = lambda *args: (False, [])  # type: ignore[assignment]
+    if kind.endswith("-short-writes"):
+        os.pwrite = _halving(os.pwrite)
+        pwritev = _halving(os.pwritev)
+        os.pwritev = lambda fd, buffers, offset: pwritev(fd, *buffers, offset)  # one buffer
     accel.save_model(ctx, model, f"{root}/{kind}", max_shard_size=200)
     if kind == "fsdp2xtp":  # and load it back into the 2-D model
         again = _fsdp2_tp(_tiny(seed=9))
@@ -267,7 +286,7 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
     ("world_size", "kind"),
     [
         (1, "fsdp2"), (2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "tp-2d-read-back"), (4, "fsdp2xtp"),
-        (4, "fsdp2xtp-unshared"),
+        (4, "fsdp2xtp-unshared"), (2, "fsdp2-short-writes"), (2, "fsdp2-unshared-short-writes"),
     ],  # fmt: skip
 )
 def test_sharded_save_model_files_equal_the_unsharded_save(
@@ -300,12 +319,13 @@ def _save_state_sharded(ctx: RunContext, directory: str) -> dict[str, torch.Tens
 
 
 def test_merge_weights_of_a_sharded_checkpoint_loads_with_equal_parameters(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from accel.cli import main
 
     src, dst = tmp_path / "state", tmp_path / "merged"
     trained = run_world(_save_state_sharded, world_size=2, timeout=TIMEOUT, args=(str(src),))[0]
+    monkeypatch.setattr(os, "pwrite", _halving(os.pwrite))
     assert main(["merge-weights", str(src), str(dst), "--max-shard-size", "200"]) == 0
     assert (dst / "model.safetensors.index.json").is_file()
     model = Tiny()
