@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -33,3 +35,30 @@ def test_a_flipped_bit_anywhere_changes_the_threaded_crc32() -> None:
         assert crc32(memoryview(data), chunk=1024) != clean, position
         data[position] ^= 0x10
     assert crc32(memoryview(data), chunk=1024) == clean
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["helper-thread", "inline"])
+@pytest.mark.parametrize("each", [True, False], ids=["each-chunk", "running"])
+def test_checksum_write_writes_every_byte_and_checksums_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool, each: bool
+) -> None:
+    from accel.checkpoint import _safetensors_io
+
+    monkeypatch.setattr(_safetensors_io, "_CACHED", 7)  # inline: several pieces per chunk
+    rng = random.Random(3)
+    chunks = [rng.randbytes(n) for n in (0, 1, 7, 8, 50, 13)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    crc = _safetensors_io.Checksum(each=each, thread=thread)
+    offset = 0
+    try:
+        for chunk in chunks:
+            crc.write(fd, memoryview(chunk), offset, path)
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(chunks)
+    if each:
+        assert crc.results() == [zlib.crc32(c) for c in chunks]
+    else:
+        assert crc.result() == zlib.crc32(b"".join(chunks))

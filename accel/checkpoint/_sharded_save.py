@@ -79,13 +79,13 @@ def write_slices(
             for file_at, view in _slices_to_write(t, is_main):
                 if runs is not None and len(runs) >= _MAX_COMBINED:
                     runs = None  # too many to combine: the file is read back instead
-                # Chunk by chunk, the helper checksumming the chunk being written (cache-warm).
                 for start in range(0, len(view), CHUNK):
-                    part = view[start : start + CHUNK]
-                    if runs is not None:
-                        crc.add(part)
-                        runs.append((offset + file_at + start, len(part)))
-                    write_at(fd, part, offset + file_at + start, path)
+                    part, at = view[start : start + CHUNK], offset + file_at + start
+                    if runs is None:
+                        write_at(fd, part, at, path)
+                    else:
+                        runs.append((at, len(part)))
+                        crc.write(fd, part, at, path)
             offset += t.numel() * t.element_size()
     finally:
         os.close(fd)
