@@ -62,3 +62,17 @@ def test_checksum_write_writes_every_byte_and_checksums_what_it_wrote(
         assert crc.results() == [zlib.crc32(c) for c in chunks]
     else:
         assert crc.result() == zlib.crc32(b"".join(chunks))
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 1 << 20])
+@pytest.mark.parametrize("size", [0, 1, 63, 4096 * 3 + 17])
+def test_crc32_into_copies_every_byte_and_checksums_the_copy(
+    monkeypatch: pytest.MonkeyPatch, size: int, chunk: int
+) -> None:
+    from accel.checkpoint import _crc32
+
+    monkeypatch.setattr(_crc32, "_PIECE", 5)  # several pieces per chunk
+    data = random.Random(size + chunk).randbytes(size)
+    into = bytearray(size)
+    assert crc32(memoryview(data), chunk=chunk, into=memoryview(into)) == zlib.crc32(data)
+    assert bytes(into) == data

@@ -196,10 +196,11 @@ def read_file(
 
     The file is mapped copy-on-write (as `safetensors.torch.load_file` does) and the checksum
     runs on several threads. Without `copy` the tensors view the mapping: right for weights that
-    are copied into a model at once. With `copy` the bytes are first copied into private memory
-    and the mapping is dropped, for state an object keeps (an optimizer's moments): otherwise
-    its first update would pay a copy-on-write fault per page, and the mapping would pin the
-    file's disk space after a rotation deletes it.
+    are copied into a model at once. With `copy` the bytes are copied into private memory
+    (checksummed piece by piece from the copy as it is made) and the mapping is dropped, for
+    state an object keeps (an optimizer's moments): otherwise its first update would pay a
+    copy-on-write fault per page, and the mapping would pin the file's disk space after a
+    rotation deletes it.
     """
     size = path.stat().st_size
     if expected is not None and size != expected[0]:
@@ -212,17 +213,22 @@ def read_file(
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     buf = torch.frombuffer(mapped, dtype=torch.uint8)
-    if copy:
-        buf = buf.clone()  # the checksum below then reads the copy, not the file
-    if expected is not None:
-        view = memoryview(buf.numpy())  # type: ignore[arg-type]
-        crc = crc32(view, chunk=CHUNK)
-        view.release()
-        if crc != expected[1]:
-            raise CorruptFileError(
-                f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
-                f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
-            )
+    if expected is None:
+        return parse(fn, path, buf.clone() if copy else buf)
+    mapped_view = memoryview(buf.numpy())  # type: ignore[arg-type]
+    if copy:  # copied and checksummed in one read: the checksum is of the copy kept
+        buf = torch.empty_like(buf)
+        into = memoryview(buf.numpy())  # type: ignore[arg-type]
+        crc = crc32(mapped_view, chunk=CHUNK, into=into)
+        into.release()
+    else:
+        crc = crc32(mapped_view, chunk=CHUNK)
+    mapped_view.release()
+    if crc != expected[1]:
+        raise CorruptFileError(
+            f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
+            f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
+        )
     return parse(fn, path, buf)
 
 
