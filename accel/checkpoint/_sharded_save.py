@@ -6,6 +6,7 @@ filesystem, the tensors are streamed to rank 0 one at a time instead.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import socket
@@ -35,6 +36,8 @@ from accel.parallel._dtensor import is_dtensor
 
 Piece = tuple[int, int, int]
 """A byte run a rank wrote into a file: (offset, length, crc32 of its bytes)."""
+Failure = tuple[int, str, str | None] | None
+"""A rank's write error, shared with every rank: (errno, message, file), or None."""
 _MAX_COMBINED = 4096  # runs per file past which reading the file back checksums it faster
 
 
@@ -136,12 +139,16 @@ def save_sharded(
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
     paths = [partial_path(directory / name) for name, _ in layout]
     with partials_removed_on_failure(fn, directory, [name for name, _ in layout]):
+        failure: Failure = None
         if ctx.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            for path, (_, tensors) in zip(paths, layout, strict=True):
-                presize(path, tensors, FILE_METADATA)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                for path, (_, tensors) in zip(paths, layout, strict=True):
+                    presize(path, tensors, FILE_METADATA)
+            except OSError as err:  # told to every rank by the survey, which raises on each
+                failure = _failure(err)
         barrier(ctx, fn)
-        sums = _write_all_ranks(ctx, paths, layout, group)
+        sums = _write_all_ranks(ctx, paths, layout, group, failure)
     if ctx.is_main:
         publish(lambda path, **_: sums[path])
     barrier(ctx, fn)
@@ -152,28 +159,54 @@ def _write_all_ranks(
     paths: Sequence[Path],
     layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
     group: Any,
+    failure: Failure,
 ) -> dict[Path, tuple[int, int]]:
     """Every rank writes its slices into the pre-sized `paths` (or streams them to rank 0 where
-    the ranks do not share the files); return each file's (size, crc32)."""
-    shared, machines = _survey(ctx, paths, group)
+    the ranks do not share the files); return each file's (size, crc32).
+
+    A write error on any rank (`failure`: rank 0's in creating the files) is raised on every
+    rank after the next collective of the save, so that no rank waits for one that gave up.
+    """
+    shared, machines = _survey(ctx, paths, group, failure)
     if not shared:
         return _stream_to_main(ctx, paths, layout)
     peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
     # A helper thread checksums while the rank writes, as a one-process save does, when the
     # machine has a core for it; with as many ranks as cores it would only contend.
     spare = usable_cpus() >= 2 * len(peers)
-    pieces = [
-        write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
-        for path, (_, tensors) in zip(paths, layout, strict=True)
-    ]
-    for path in paths[peers.index(ctx.rank) :: len(peers)]:
-        fsync_path(path)  # flushes every rank's pages of the file on this machine
+    pieces: list[list[Piece] | None] = []
+    try:
+        pieces = [
+            write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
+            for path, (_, tensors) in zip(paths, layout, strict=True)
+        ]
+        for path in paths[peers.index(ctx.rank) :: len(peers)]:
+            fsync_path(path)  # flushes every rank's pages of the file on this machine
+    except OSError as err:  # a full disk, say: every rank raises it after the gather below
+        failure = _failure(err)
     sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
-    return _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group)
+    return _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group, failure)
+
+
+def _failure(err: OSError) -> Failure:
+    return (err.errno or errno.EIO, err.strerror or str(err), err.filename)
+
+
+def _raise_shared(failures: Sequence[Failure]) -> None:
+    """Raise the first rank's write error, on every rank alike (each learnt all of them from
+    one collective)."""
+    for rank, failure in enumerate(failures):
+        if failure is not None:
+            code, message, filename = failure
+            raise OSError(code, f"rank {rank}: {message}", filename)
 
 
 def _file_checksums(
-    ctx: RunContext, paths: Mapping[Path, int], pieces: list[list[Piece] | None], group: Any
+    ctx: RunContext,
+    paths: Mapping[Path, int],
+    pieces: list[list[Piece] | None],
+    group: Any,
+    failure: Failure = None,
 ) -> dict[Path, tuple[int, int]]:
     """(size, crc32) of each file (path -> its size) from the checksums of the runs every rank
     wrote.
@@ -183,8 +216,10 @@ def _file_checksums(
     cut into so many runs that combining them costs more than reading (column slices, one run
     per row), is checksummed by reading it back, split across ranks.
     """
-    everyone: list[Any] = [None] * ctx.world_size  # a sharded model has a group, as in _survey
-    dist.all_gather_object(everyone, pieces, group=group)
+    gathered: list[Any] = [None] * ctx.world_size  # a sharded model has a group, as in _survey
+    dist.all_gather_object(gathered, (pieces, failure), group=group)
+    _raise_shared([f for _, f in gathered])
+    everyone = [p for p, _ in gathered]
     sums: dict[Path, tuple[int, int]] = {}
     for i, (path, size) in enumerate(paths.items()):
         if any(rank_pieces[i] is None for rank_pieces in everyone):
@@ -203,14 +238,17 @@ def _file_checksums(
     return sums
 
 
-def _survey(ctx: RunContext, paths: Sequence[Path], group: Any) -> tuple[bool, list[str]]:
+def _survey(
+    ctx: RunContext, paths: Sequence[Path], group: Any, failure: Failure = None
+) -> tuple[bool, list[str]]:
     """Whether every rank sees the files rank 0 created (one filesystem for all), and which
     machine each rank runs on (a page cache is per machine, so one fsync there flushes the
-    pages every rank of that machine wrote)."""
+    pages every rank of that machine wrote). Raises a rank's `failure` on every rank."""
     seen = all(p.is_file() for p in paths)
     everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, (seen, _machine()), group=group)
-    return all(s for s, _ in everyone), [m for _, m in everyone]
+    dist.all_gather_object(everyone, (seen, _machine(), failure), group=group)
+    _raise_shared([f for _, _, f in everyone])
+    return all(s for s, _, _ in everyone), [m for _, m, _ in everyone]
 
 
 def _machine() -> str:

@@ -314,6 +314,50 @@ def test_sharded_save_model_files_equal_the_unsharded_save(
             assert torch.equal(v, results[0][k])
 
 
+def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int) -> str:
+    import errno
+
+    model = _fsdp2(_tiny(seed=3))
+    accel.save_model(ctx, model, root, max_shard_size=200)  # the save to keep
+    if ctx.rank == failing:  # this rank's disk fills up
+        def full(*args: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.pwrite = full
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    try:
+        accel.save_model(ctx, model, root, max_shard_size=200)
+    except OSError as err:
+        return f"{err.errno} {err}"
+    return "saved"
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
+    tmp_path: Path, failing: int
+) -> None:
+    # Every rank must learn of the failure from the save's own collectives, and none publish;
+    # before, the failing rank raised and the others waited in the next collective until the
+    # timeout.
+    root = tmp_path / "model"
+    results = run_world(_save_failing_on_one_rank, world_size=2, timeout=60,
+                        args=(str(root), failing))  # fmt: skip
+    assert all(r.startswith("28 ") for r in results), results
+    assert all(str(root) in r and f"rank {failing}" in r for r in results), results
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no partials
+    reference = _fsdp2_free_reference()
+    model = Tiny()
+    accel.load_checkpoint_in_model(model, root)  # the earlier save, whole and verified
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference[k]), k
+
+
+def _fsdp2_free_reference() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in _tiny(seed=3).state_dict().items()}
+
+
 def _save_state_sharded(ctx: RunContext, directory: str) -> dict[str, torch.Tensor]:
     model = _fsdp2(_tiny(seed=4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
