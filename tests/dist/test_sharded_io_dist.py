@@ -314,8 +314,10 @@ def test_sharded_save_model_files_equal_the_unsharded_save(
             assert torch.equal(v, results[0][k])
 
 
-def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int) -> str:
+def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: str) -> str:
     import errno
+
+    from accel.checkpoint import _sharded_save
 
     model = _fsdp2(_tiny(seed=3))
     accel.save_model(ctx, model, root, max_shard_size=200)  # the save to keep
@@ -323,7 +325,10 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int) -> str:
         def full(*args: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        os.pwrite = full
+        if where == "write":
+            os.pwrite = full
+        else:  # rank 0 creating the files
+            _sharded_save.presize = full  # type: ignore[assignment]
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().add_(1.0)
@@ -334,16 +339,16 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int) -> str:
     return "saved"
 
 
-@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize(("failing", "where"), [(0, "write"), (1, "write"), (0, "create")])
 def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
-    tmp_path: Path, failing: int
+    tmp_path: Path, failing: int, where: str
 ) -> None:
     # Every rank must learn of the failure from the save's own collectives, and none publish;
     # before, the failing rank raised and the others waited in the next collective until the
     # timeout.
     root = tmp_path / "model"
     results = run_world(_save_failing_on_one_rank, world_size=2, timeout=60,
-                        args=(str(root), failing))  # fmt: skip
+                        args=(str(root), failing, where))  # fmt: skip
     assert all(r.startswith("28 ") for r in results), results
     assert all(str(root) in r and f"rank {failing}" in r for r in results), results
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no partials
