@@ -169,7 +169,7 @@ def _write_all_ranks(
     """
     shared, machines = _survey(ctx, paths, group, failure)
     if not shared:
-        return _stream_to_main(ctx, paths, layout)
+        return _stream_to_main(ctx, paths, layout, group)
     peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
     # A helper thread checksums while the rank writes, as a one-process save does, when the
     # machine has a core for it; with as many ranks as cores it would only contend.
@@ -257,27 +257,49 @@ def _machine() -> str:
 
 
 def _stream_to_main(
-    ctx: RunContext, paths: Sequence[Path], layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]]
+    ctx: RunContext,
+    paths: Sequence[Path],
+    layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    group: Any,
 ) -> dict[Path, tuple[int, int]]:
     """Ranks without the files: gather one tensor at a time (`full_tensor`, a collective every
-    rank joins), which rank 0 writes in place. Return each file's (size, crc32)."""
+    rank joins), which rank 0 writes in place. Return each file's (size, crc32).
+
+    A write error stops rank 0's writing, not its part in the collectives; a gather at the end
+    raises it on every rank.
+    """
     sums = {}
+    failure: Failure = None
     for path, (_, tensors) in zip(paths, layout, strict=True):
         head = header_bytes(tensors, FILE_METADATA)
         crc, offset = zlib.crc32(head), len(head)
-        fd = os.open(path, os.O_WRONLY) if ctx.is_main else -1
+        fd = -1
+        try:
+            if ctx.is_main and failure is None:
+                fd = os.open(path, os.O_WRONLY)
+        except OSError as err:  # from here on rank 0 only joins the collectives
+            failure = _failure(err)
         try:
             for t in tensors.values():
                 whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
-                if ctx.is_main and whole.numel():
+                if fd >= 0 and failure is None and whole.numel():
                     data = as_buffer(whole.detach().cpu().contiguous())
-                    write_at(fd, data, offset, path)
+                    try:
+                        write_at(fd, data, offset, path)
+                    except OSError as err:  # a full disk, say
+                        failure = _failure(err)
                     crc, offset = zlib.crc32(data, crc), offset + len(data)
                 del whole
-            if ctx.is_main:
-                os.fsync(fd)
+            if fd >= 0 and failure is None:
+                try:
+                    os.fsync(fd)
+                except OSError as err:
+                    failure = _failure(err)
         finally:
             if fd >= 0:
                 os.close(fd)
         sums[path] = (offset, crc)
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, failure, group=group)
+    _raise_shared(everyone)
     return sums

@@ -325,10 +325,12 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: s
         def full(*args: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        if where == "write":
-            os.pwrite = full
-        else:  # rank 0 creating the files
+        if where == "create":  # rank 0 creating the files
             _sharded_save.presize = full  # type: ignore[assignment]
+        else:
+            os.pwrite = full
+    if where == "stream":  # as if the ranks did not share the filesystem: rank 0 writes all
+        _sharded_save._survey = lambda *args: (False, [])  # type: ignore[assignment]
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().add_(1.0)
@@ -339,7 +341,9 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: s
     return "saved"
 
 
-@pytest.mark.parametrize(("failing", "where"), [(0, "write"), (1, "write"), (0, "create")])
+@pytest.mark.parametrize(
+    ("failing", "where"), [(0, "write"), (1, "write"), (0, "create"), (0, "stream")]
+)
 def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
     tmp_path: Path, failing: int, where: str
 ) -> None:
