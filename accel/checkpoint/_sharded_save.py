@@ -133,7 +133,8 @@ def save_sharded(
     combine into each file's checksum; otherwise the
     tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
     `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
-    renames into place, index and manifest.
+    renames into place, index and manifest. A write error on any rank is raised on every rank
+    (it travels in the save's own gathers); the partial files are then removed.
     """
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
@@ -149,9 +150,17 @@ def save_sharded(
                 failure = _failure(err)
         barrier(ctx, fn)
         sums = _write_all_ranks(ctx, paths, layout, group, failure)
+    published: OSError | None = None
     if ctx.is_main:
-        publish(lambda path, **_: sums[path])
-    barrier(ctx, fn)
+        try:
+            publish(lambda path, **_: sums[path])
+        except OSError as err:  # publish removed the partial files; its error names the folder
+            published = err
+    everyone: list[Any] = [None] * ctx.world_size  # the closing barrier, telling the outcome
+    dist.all_gather_object(everyone, published and _failure(published), group=group)
+    if published is not None:
+        raise published
+    _raise_shared(everyone)
 
 
 def _write_all_ranks(

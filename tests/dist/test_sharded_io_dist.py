@@ -327,6 +327,10 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: s
 
         if where == "create":  # rank 0 creating the files
             _sharded_save.presize = full  # type: ignore[assignment]
+        elif where == "publish":  # rank 0 writing the index and manifest
+            from accel.checkpoint import _atomic
+
+            _atomic.write_bytes = full  # type: ignore[assignment]
         else:
             os.pwrite = full
     if where == "stream":  # as if the ranks did not share the filesystem: rank 0 writes all
@@ -342,7 +346,8 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: s
 
 
 @pytest.mark.parametrize(
-    ("failing", "where"), [(0, "write"), (1, "write"), (0, "create"), (0, "stream")]
+    ("failing", "where"),
+    [(0, "write"), (1, "write"), (0, "create"), (0, "stream"), (0, "publish")],
 )
 def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
     tmp_path: Path, failing: int, where: str
@@ -353,8 +358,8 @@ def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
     root = tmp_path / "model"
     results = run_world(_save_failing_on_one_rank, world_size=2, timeout=60,
                         args=(str(root), failing, where))  # fmt: skip
-    assert all(r.startswith("28 ") for r in results), results
-    assert all(str(root) in r and f"rank {failing}" in r for r in results), results
+    assert all(r.startswith("28 ") and str(root) in r for r in results), results
+    assert all(f"rank {failing}" in r for i, r in enumerate(results) if i != failing), results
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no partials
     reference = _fsdp2_free_reference()
     model = Tiny()
