@@ -229,6 +229,10 @@ def publish(
 def cleanup_failed(fn: str, staging: Path, final: Path, err: BaseException) -> BaseException:
     """Remove a failed save's staging folder; return the error to raise, naming `final`."""
     remove_tree(staging)
+    return _named(fn, final, err)
+
+
+def _named(fn: str, final: Path, err: BaseException) -> BaseException:
     if isinstance(err, OSError) and not isinstance(err, FileExistsError) and err.errno:
         where = f" ({err.filename})" if err.filename else ""
         return OSError(
@@ -292,11 +296,33 @@ def expected(manifest: dict[str, Any], rel: str) -> tuple[int, int] | None:
     return None if entry is None else (int(entry[0]), int(entry[1]))
 
 
-def wait_for_files(paths: list[Path], timeout_s: float) -> None:
-    """Wait until every path exists (other ranks' markers on a shared filesystem)."""
+def failed_marker(staging: Path, rank: int) -> Path:
+    """Where a rank other than 0 leaves the error that stopped its part of a save."""
+    return staging / f".rank{rank}.failed"
+
+
+def wait_for_files(
+    paths: list[Path], timeout_s: float, *, failed: list[Path] | None = None
+) -> None:
+    """Wait until every path exists (other ranks' markers on a shared filesystem).
+
+    With `failed` (each rank's `failed_marker`, in the order of `paths`), a rank counts as
+    finished once it left either; once every rank has finished, the first failure is raised
+    (not before: a rank still writing into the staging folder would recreate it after rank 0
+    removed it). A staging folder gone meanwhile (a rank that could not even leave its marker
+    removes it) is raised at once. Either way rank 0 does not wait out the timeout for a rank
+    that gave up.
+    """
+    ends = failed or paths
     deadline = time.monotonic() + timeout_s
     delay = 0.001
-    while not all(p.exists() for p in paths):
+    while not all(p.exists() or end.exists() for p, end in zip(paths, ends, strict=True)):
+        if failed and not failed[0].parent.is_dir():
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "another rank's save failed and removed the staging folder",
+                str(failed[0].parent),
+            )
         if time.monotonic() > deadline:
             missing = [str(p) for p in paths if not p.exists()]
             raise TimeoutError(
@@ -305,6 +331,38 @@ def wait_for_files(paths: list[Path], timeout_s: float) -> None:
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+    for path in failed or []:
+        if path.exists():
+            report = json.loads(path.read_text())
+            message = f"rank {report['rank']}: {report['error']}"
+            raise OSError(report["errno"], message) if report["errno"] else RuntimeError(message)
+
+
+@contextmanager
+def reported_on_failure(fn: str, staging: Path, final: Path, rank: int) -> Iterator[None]:
+    """For a rank other than 0: when the block raises, leave the error in its `failed_marker`
+    for rank 0, which stops waiting, removes `staging` and raises it too; when even the marker
+    cannot be written, remove `staging`, which rank 0 notices as well. Re-raise, naming `final`.
+    """
+    try:
+        yield
+    except BaseException as err:
+        if isinstance(err, OSError):
+            where = f" ({err.filename})" if err.filename else ""
+            code, text = err.errno or 0, f"{err.strerror or err}{where}"
+        else:
+            code, text = 0, f"{type(err).__name__}: {err}"
+        report = {"rank": rank, "errno": code, "error": text}
+        marker = failed_marker(staging, rank)
+        try:  # renamed into place, so rank 0 never reads half of it
+            write_bytes(marker.with_suffix(".tmp"), json.dumps(report).encode(), fsync=False)
+            marker.with_suffix(".tmp").rename(marker)
+        except OSError:
+            remove_tree(staging)
+        new = _named(fn, final, err)
+        if new is err:
+            raise
+        raise new from err
 
 
 @contextmanager

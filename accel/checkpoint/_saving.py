@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from accel._groups import barrier, global_rank, named_collective, require_group
+from accel._groups import global_rank, named_collective, require_group
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._state_io import classify, finish, snapshot, write_rank_files
 from accel.context import RunContext
@@ -88,7 +88,14 @@ def start_save(
     timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
 
     def job() -> None:
-        with _atomic.removed_on_failure(fn, staging, final):
+        # Rank 0 owns the staging folder; another rank that fails tells it (and leaves the
+        # folder to it) rather than removing the folder under rank 0's feet.
+        on_failure = (
+            _atomic.removed_on_failure(fn, staging, final)
+            if ctx.is_main
+            else _atomic.reported_on_failure(fn, staging, final, ctx.rank)
+        )
+        with on_failure:
             write_rank_files(staging, ctx.rank, files)
             if ctx.is_main:
                 finish(fn, staging, final, ctx.world_size, info, timeout_s, replace=replace)
@@ -96,9 +103,10 @@ def start_save(
             after_publish()
 
     if blocking:
-        job()
-        if ctx.world_size > 1:
-            barrier(ctx, fn)  # every rank returns only once the checkpoint is published
+        if ctx.world_size == 1:
+            job()
+        else:  # every rank returns only once the checkpoint is published, or every rank raises
+            _run_and_share_outcome(ctx, fn, job)
         return CheckpointHandle(final, None)
     handle = CheckpointHandle(final, None)
 
@@ -112,6 +120,33 @@ def start_save(
     handle._thread = threading.Thread(target=run, name=_SAVE_THREAD, daemon=False)
     handle._thread.start()
     return handle
+
+
+def _run_and_share_outcome(ctx: RunContext, fn: str, job: Callable[[], None]) -> None:
+    """Run `job`, then gather every rank's outcome (the closing barrier of a blocking save):
+    a rank whose job failed raises its error; the others raise the first failing rank's, so
+    no rank returns from a save that was not published."""
+    error: Exception | None = None
+    try:
+        job()
+    except Exception as err:  # shared below, then raised
+        error = err
+    mine = None
+    if isinstance(error, OSError):
+        mine = (error.errno or 0, error.strerror or str(error))
+    elif error is not None:
+        mine = (0, f"{type(error).__name__}: {error}")
+    everyone: list[Any] = [None] * ctx.world_size
+    with named_collective(ctx, fn):
+        dist.all_gather_object(everyone, mine, group=require_group(ctx, fn))
+    if error is not None:
+        raise error
+    failed = [r for r, outcome in enumerate(everyone) if outcome is not None]
+    if failed:  # a rank's own error before rank 0's, which only relays it
+        rank = ([r for r in failed if r != 0] or failed)[0]
+        code, message = everyone[rank]
+        text = f"rank {rank} failed, so nothing was published: {message}"
+        raise OSError(code, text) if code else RuntimeError(text)
 
 
 def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:

@@ -180,7 +180,7 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     written = []
     try:
         for stem, (tensors, skeleton) in files.items():
-            (staging / stem).parent.mkdir(parents=True, exist_ok=True)
+            _mkdirs_below(staging, Path(stem).parent)
             path = staging / f"{stem}.safetensors"
             # fsync after all writes, as a hand-written save would: the kernel writes the first
             # files back while the later ones are still being written, and the checksums of
@@ -202,6 +202,15 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     marker.with_suffix(".tmp").rename(marker)
 
 
+def _mkdirs_below(staging: Path, relative: Path) -> None:
+    """Create `staging / relative` one level at a time: never `staging` itself, which rank 0
+    removes when the save fails (re-creating it would leave debris)."""
+    path = staging
+    for part in relative.parts:
+        path /= part
+        path.mkdir(exist_ok=True)
+
+
 def finish(
     fn: str,
     staging: Path,
@@ -214,7 +223,8 @@ def finish(
 ) -> None:
     """Rank 0: wait for every rank's marker, then write the manifest and publish."""
     markers = [staging / f".rank{r}.done" for r in range(world_size)]
-    _atomic.wait_for_files(markers, timeout_s)
+    failed = [_atomic.failed_marker(staging, r) for r in range(world_size)]
+    _atomic.wait_for_files(markers, timeout_s, failed=failed)
     entries: dict[str, list[int]] = {}
     for marker in markers:
         entries.update(json.loads(marker.read_text()))

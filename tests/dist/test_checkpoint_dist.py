@@ -289,3 +289,48 @@ def test_a_rank_missing_from_a_save_is_named_by_the_call(tmp_path: Path) -> None
     assert results[0].startswith("save_checkpoint: collective"), results[0]
     assert accel.latest_checkpoint(tmp_path) is None
     assert list(tmp_path.iterdir()) == []  # the failed save left no staging folder
+
+
+def _save_failing_on_rank_one(ctx: RunContext, root: str, blocking: bool) -> str:
+    import errno
+
+    from accel.checkpoint import _state_io
+
+    model = _mlp()
+    accel.save_checkpoint(ctx, root, {"model": model}, step=1).wait()  # the one to keep
+    if ctx.rank == 1:  # this rank's disk fills up
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        _state_io.start_write = full  # type: ignore[assignment]
+    try:
+        accel.save_checkpoint(ctx, root, {"model": model}, step=2, blocking=blocking).wait()
+    except (OSError, RuntimeError) as err:
+        cause = err.__cause__ if isinstance(err, RuntimeError) and err.__cause__ else err
+        return f"{getattr(cause, 'errno', None)} {cause}"
+    return "saved"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_a_rank_failing_to_write_fails_save_state_promptly_on_every_rank(
+    tmp_path: Path, blocking: bool
+) -> None:
+    # Rank 1 cannot write its files. Rank 0 must stop waiting for them (before: it waited for
+    # rank 1's marker until the timeout, rank 1 having removed the shared staging folder), no
+    # rank may return from a blocking save that was not published, and step 1 stays whole.
+    results = run_world(_save_failing_on_rank_one, world_size=3, timeout=60,
+                        args=(str(tmp_path), blocking))  # fmt: skip
+    assert results[1].startswith("28 ") and str(tmp_path) in results[1], results
+    assert results[0].startswith("28 ") and "rank 1" in results[0], results
+    if blocking:  # rank 2 wrote its files; it learns of the failure in the closing barrier
+        assert results[2].startswith("28 ") and "rank 1" in results[2], results
+    else:  # "durable" on rank 2 means its own files written (documented)
+        assert results[2] == "saved", results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]  # no staging left
+    model = _mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accel.load_state(RunContext.single(), tmp_path / "step-1", model=model)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _mlp().parameters()))
