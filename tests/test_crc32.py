@@ -44,7 +44,7 @@ def test_checksum_write_writes_every_byte_and_checksums_what_it_wrote(
 ) -> None:
     from accel.checkpoint import _safetensors_io
 
-    monkeypatch.setattr(_safetensors_io, "_CACHED", 7)  # inline: several pieces per chunk
+    monkeypatch.setattr(_safetensors_io, "PIECE", 7)  # inline: several pieces per chunk
     rng = random.Random(3)
     chunks = [rng.randbytes(n) for n in (0, 1, 7, 8, 50, 13)]
     path = tmp_path / "f"
@@ -71,7 +71,7 @@ def test_crc32_into_copies_every_byte_and_checksums_the_copy(
 ) -> None:
     from accel.checkpoint import _crc32
 
-    monkeypatch.setattr(_crc32, "_PIECE", 5)  # several pieces per chunk
+    monkeypatch.setattr(_crc32, "PIECE", 5)  # several pieces per chunk
     data = random.Random(size + chunk).randbytes(size)
     into = bytearray(size)
     assert crc32(memoryview(data), chunk=chunk, into=memoryview(into)) == zlib.crc32(data)

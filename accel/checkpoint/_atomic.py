@@ -20,7 +20,7 @@ import shutil
 import socket
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -234,10 +234,9 @@ def cleanup_failed(fn: str, staging: Path, final: Path, err: BaseException) -> B
 
 def _named(fn: str, final: Path, err: BaseException) -> BaseException:
     if isinstance(err, OSError) and not isinstance(err, FileExistsError) and err.errno:
-        where = f" ({err.filename})" if err.filename else ""
         return OSError(
             err.errno,
-            f"{fn}: saving {str(final)!r} failed: {err.strerror}{where}. The partial save was "
+            f"{fn}: saving {str(final)!r} failed: {describe(err)[1]}. The partial save was "
             "removed; the previous checkpoints are intact. Free space or fix the folder's "
             "permissions, then save again.",
         )
@@ -296,6 +295,28 @@ def expected(manifest: dict[str, Any], rel: str) -> tuple[int, int] | None:
     return None if entry is None else (int(entry[0]), int(entry[1]))
 
 
+def describe(err: BaseException) -> tuple[int, str]:
+    """A rank's error as it travels to the other ranks (in a marker file or a gather): its
+    errno (0 for an error that is not the system's) and a text naming its file."""
+    if isinstance(err, OSError):
+        where = f" ({err.filename})" if err.filename else ""
+        return err.errno or errno.EIO, f"{err.strerror or err}{where}"
+    return 0, f"{type(err).__name__}: {err}"
+
+
+def reported(message: str, code: int) -> Exception:
+    """The error to raise for another rank's `describe`d one, with `message`."""
+    return OSError(code, message) if code else RuntimeError(message)
+
+
+def raise_first(reports: Sequence[tuple[int, str] | None]) -> None:
+    """Raise the first rank's `describe`d error, if any: every rank that gathered the same
+    reports raises alike."""
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise reported(f"rank {rank}: {report[1]}", report[0])
+
+
 def failed_marker(staging: Path, rank: int) -> Path:
     """Where a rank other than 0 leaves the error that stopped its part of a save."""
     return staging / f".rank{rank}.failed"
@@ -334,8 +355,7 @@ def wait_for_files(
     for path in failed or []:
         if path.exists():
             report = json.loads(path.read_text())
-            message = f"rank {report['rank']}: {report['error']}"
-            raise OSError(report["errno"], message) if report["errno"] else RuntimeError(message)
+            raise reported(f"rank {report['rank']}: {report['error']}", report["errno"])
 
 
 @contextmanager
@@ -347,11 +367,7 @@ def reported_on_failure(fn: str, staging: Path, final: Path, rank: int) -> Itera
     try:
         yield
     except BaseException as err:
-        if isinstance(err, OSError):
-            where = f" ({err.filename})" if err.filename else ""
-            code, text = err.errno or 0, f"{err.strerror or err}{where}"
-        else:
-            code, text = 0, f"{type(err).__name__}: {err}"
+        code, text = describe(err)
         report = {"rank": rank, "errno": code, "error": text}
         marker = failed_marker(staging, rank)
         try:  # renamed into place, so rank 0 never reads half of it

@@ -18,7 +18,9 @@ _POLY = 0xEDB88320  # the CRC-32 polynomial, bit-reflected: bit 31 holds x^0, bi
 _ONE = 1 << 31  # the polynomial 1
 _X8 = 1 << 23  # the polynomial x^8: one byte's shift
 _MAX_THREADS = 8  # past this, memory bandwidth is the limit, not the CRC
-_PIECE = 256 << 10  # bytes copied, then checksummed, at a time: still in the core's cache
+# Bytes copied or written, then checksummed, at a time: small enough to be still in the core's
+# cache when checksummed (from memory afresh the checksum costs about twice as much).
+PIECE = 256 << 10
 
 
 def _multiply(a: int, b: int) -> int:
@@ -79,14 +81,14 @@ def crc32(data: memoryview, *, chunk: int = 8 << 20, into: memoryview | None = N
         if into is None:
             return zlib.crc32(data[lo:hi])
         value = 0
-        for start in range(lo, hi, _PIECE):
-            end = min(start + _PIECE, hi)
+        for start in range(lo, hi, PIECE):
+            end = min(start + PIECE, hi)
             np.copyto(target[start:end], source[start:end])
             value = zlib.crc32(into[start:end], value)
         return value
 
     def work(first: int) -> None:
-        for i in range(first, len(starts), max(workers, 1)):
+        for i in range(first, len(starts), workers):
             parts[i] = checksum(starts[i], min(starts[i] + chunk, len(data)))
 
     # Plain threads rather than concurrent.futures, whose pools refuse work once the interpreter

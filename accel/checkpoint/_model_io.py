@@ -257,10 +257,9 @@ def partials_removed_on_failure(fn: str, directory: Path, names: Iterable[str]) 
         for name in names:
             partial_path(directory / name).unlink(missing_ok=True)
         if isinstance(err, OSError) and err.errno:
-            where = f" ({err.filename})" if err.filename else ""
             raise OSError(
                 err.errno,
-                f"{fn}: writing into {str(directory)!r} failed: {err.strerror}{where}. The "
+                f"{fn}: writing into {str(directory)!r} failed: {_atomic.describe(err)[1]}. The "
                 "partial files were removed and the folder's files are as they were; free "
                 "space (or lift the file-size limit), then save again.",
             ) from err

@@ -24,7 +24,7 @@ from types import MappingProxyType
 import torch
 
 from accel.checkpoint._atomic import fsync_path, write_at
-from accel.checkpoint._crc32 import crc32
+from accel.checkpoint._crc32 import PIECE, crc32
 from accel.checkpoint._header import (
     DTYPES,
     ITEMSIZE,
@@ -38,9 +38,6 @@ from accel.checkpoint._header import (
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.
 CHUNK = 8 << 20
-# Bytes written, then checksummed, at a time when the checksum runs inline: small enough to be
-# still in the core's cache when checksummed (from memory afresh it costs about twice as much).
-_CACHED = 256 << 10
 
 NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
 
@@ -124,8 +121,8 @@ class Checksum:
             write_at(fd, chunk, offset, path)
             return
         value = 0 if self._each else self.value
-        for start in range(0, len(chunk), _CACHED):
-            piece = chunk[start : start + _CACHED]
+        for start in range(0, len(chunk), PIECE):
+            piece = chunk[start : start + PIECE]
             write_at(fd, piece, offset + start, path)
             value = zlib.crc32(piece, value)
         if self._each:

@@ -131,11 +131,7 @@ def _run_and_share_outcome(ctx: RunContext, fn: str, job: Callable[[], None]) ->
         job()
     except Exception as err:  # shared below, then raised
         error = err
-    mine = None
-    if isinstance(error, OSError):
-        mine = (error.errno or 0, error.strerror or str(error))
-    elif error is not None:
-        mine = (0, f"{type(error).__name__}: {error}")
+    mine = None if error is None else _atomic.describe(error)
     everyone: list[Any] = [None] * ctx.world_size
     with named_collective(ctx, fn):
         dist.all_gather_object(everyone, mine, group=require_group(ctx, fn))
@@ -145,8 +141,7 @@ def _run_and_share_outcome(ctx: RunContext, fn: str, job: Callable[[], None]) ->
     if failed:  # a rank's own error before rank 0's, which only relays it
         rank = ([r for r in failed if r != 0] or failed)[0]
         code, message = everyone[rank]
-        text = f"rank {rank} failed, so nothing was published: {message}"
-        raise OSError(code, text) if code else RuntimeError(text)
+        raise _atomic.reported(f"rank {rank} failed, so nothing was published: {message}", code)
 
 
 def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:

@@ -6,7 +6,6 @@ filesystem, the tensors are streamed to rank 0 one at a time instead.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import socket
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import barrier, require_group
-from accel.checkpoint._atomic import fsync_path, write_at
+from accel.checkpoint._atomic import describe, fsync_path, raise_first, write_at
 from accel.checkpoint._crc32 import combine, usable_cpus
 from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
@@ -36,8 +35,8 @@ from accel.parallel._dtensor import is_dtensor
 
 Piece = tuple[int, int, int]
 """A byte run a rank wrote into a file: (offset, length, crc32 of its bytes)."""
-Failure = tuple[int, str, str | None] | None
-"""A rank's write error, shared with every rank: (errno, message, file), or None."""
+Failure = tuple[int, str] | None
+"""A rank's write error, shared with every rank (`_atomic.describe`), or None."""
 _MAX_COMBINED = 4096  # runs per file past which reading the file back checksums it faster
 
 
@@ -147,7 +146,7 @@ def save_sharded(
                 for path, (_, tensors) in zip(paths, layout, strict=True):
                     presize(path, tensors, FILE_METADATA)
             except OSError as err:  # told to every rank by the survey, which raises on each
-                failure = _failure(err)
+                failure = describe(err)
         barrier(ctx, fn)
         sums = _write_all_ranks(ctx, paths, layout, group, failure)
     published: OSError | None = None
@@ -157,10 +156,10 @@ def save_sharded(
         except OSError as err:  # publish removed the partial files; its error names the folder
             published = err
     everyone: list[Any] = [None] * ctx.world_size  # the closing barrier, telling the outcome
-    dist.all_gather_object(everyone, published and _failure(published), group=group)
+    dist.all_gather_object(everyone, published and describe(published), group=group)
     if published is not None:
         raise published
-    _raise_shared(everyone)
+    raise_first(everyone)
 
 
 def _write_all_ranks(
@@ -192,22 +191,9 @@ def _write_all_ranks(
         for path in paths[peers.index(ctx.rank) :: len(peers)]:
             fsync_path(path)  # flushes every rank's pages of the file on this machine
     except OSError as err:  # a full disk, say: every rank raises it after the gather below
-        failure = _failure(err)
+        failure = describe(err)
     sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
     return _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group, failure)
-
-
-def _failure(err: OSError) -> Failure:
-    return (err.errno or errno.EIO, err.strerror or str(err), err.filename)
-
-
-def _raise_shared(failures: Sequence[Failure]) -> None:
-    """Raise the first rank's write error, on every rank alike (each learnt all of them from
-    one collective)."""
-    for rank, failure in enumerate(failures):
-        if failure is not None:
-            code, message, filename = failure
-            raise OSError(code, f"rank {rank}: {message}", filename)
 
 
 def _file_checksums(
@@ -227,7 +213,7 @@ def _file_checksums(
     """
     gathered: list[Any] = [None] * ctx.world_size  # a sharded model has a group, as in _survey
     dist.all_gather_object(gathered, (pieces, failure), group=group)
-    _raise_shared([f for _, f in gathered])
+    raise_first([f for _, f in gathered])
     everyone = [p for p, _ in gathered]
     sums: dict[Path, tuple[int, int]] = {}
     for i, (path, size) in enumerate(paths.items()):
@@ -256,7 +242,7 @@ def _survey(
     seen = all(p.is_file() for p in paths)
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, (seen, _machine(), failure), group=group)
-    _raise_shared([f for _, _, f in everyone])
+    raise_first([f for _, _, f in everyone])
     return all(s for s, _, _ in everyone), [m for _, m, _ in everyone]
 
 
@@ -287,7 +273,7 @@ def _stream_to_main(
             if ctx.is_main and failure is None:
                 fd = os.open(path, os.O_WRONLY)
         except OSError as err:  # from here on rank 0 only joins the collectives
-            failure = _failure(err)
+            failure = describe(err)
         try:
             for t in tensors.values():
                 whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
@@ -296,19 +282,19 @@ def _stream_to_main(
                     try:
                         write_at(fd, data, offset, path)
                     except OSError as err:  # a full disk, say
-                        failure = _failure(err)
+                        failure = describe(err)
                     crc, offset = zlib.crc32(data, crc), offset + len(data)
                 del whole
             if fd >= 0 and failure is None:
                 try:
                     os.fsync(fd)
                 except OSError as err:
-                    failure = _failure(err)
+                    failure = describe(err)
         finally:
             if fd >= 0:
                 os.close(fd)
         sums[path] = (offset, crc)
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, failure, group=group)
-    _raise_shared(everyone)
+    raise_first(everyone)
     return sums

@@ -274,7 +274,7 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
         from accel.checkpoint import _safetensors_io, _sharded_save
 
         _sharded_save.usable_cpus = lambda: 1  # type: ignore[assignment]
-        _safetensors_io._CACHED = 8
+        _safetensors_io.PIECE = 8
     if kind.endswith("-short-writes"):
         os.pwrite = _halving(os.pwrite)
         pwritev = _halving(os.pwritev)
