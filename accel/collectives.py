@@ -271,7 +271,7 @@ def pad_across_processes(
     largest = everyone.amax(dim=0).tolist()
     return unflatten(
         treedef,
-        [_pad(t, dim, n, pad_index, pad_first) for t, n in zip(leaves, largest, strict=True)],
+        [pad_tensor(t, dim, n, pad_index, pad_first) for t, n in zip(leaves, largest, strict=True)],
     )
 
 
@@ -284,7 +284,9 @@ def _reduce_local(stack: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     return total / stack.shape[0] if op == "mean" else total
 
 
-def _pad(t: torch.Tensor, dim: int, size: int, value: int | float, first: bool) -> torch.Tensor:
+def pad_tensor(
+    t: torch.Tensor, dim: int, size: int, value: int | float, first: bool
+) -> torch.Tensor:
     if t.shape[dim] == size:
         return t
     shape = list(t.shape)

@@ -29,10 +29,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from accel import _accelerate_config
 from accel._env_vars import ENV_CONFIG_FILE, env_settings, parse_precision
 from accel._parallelism import Parallelism
 from accel._typing import Precision
-from accel.parallel import _accelerate
 
 __all__ = ["Config", "default_config_path", "load_config"]
 
@@ -244,9 +244,9 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
 def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any]:
     kind = config.distributed_type
     return (
-        _accelerate.parallelism_of(kind, config.parallelism_config),
-        _accelerate.fsdp_options(kind, config.fsdp_config),
-        _accelerate.compile_mode(config.dynamo_config),
+        _accelerate_config.parallelism_of(kind, config.parallelism_config),
+        _accelerate_config.fsdp_options(kind, config.fsdp_config),
+        _accelerate_config.compile_mode(config.dynamo_config),
     )
 
 

@@ -24,9 +24,9 @@ from accel import config as _config
 from accel._exit import die_with_parent, register_exit_guard
 from accel._groups import barrier, comm_device, named_collective, require_group
 from accel._launcher import LaunchEnv, parse_launch_env
+from accel._mesh import with_mesh
 from accel._typing import Backend, Precision
 from accel.context import Parallelism, RunContext, default_device
-from accel.parallel._mesh import with_mesh
 from accel.seeding import check_seed
 
 __all__ = [

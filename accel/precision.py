@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._dtensor import is_dtensor
 from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext
 from accel.parallel import check_optimizer
-from accel.parallel._dtensor import is_dtensor
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from accel._exit import register_exit_guard
+from accel._mesh import with_mesh
 from accel.context import Parallelism, RunContext
-from accel.parallel._mesh import with_mesh
 
 __all__ = ["RemoteTraceback", "run_world"]
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import accel
 from accel import RunContext
-from accel.checkpoint._atomic import MANIFEST
+from accel._safetensors.manifests import MANIFEST
 from accel.checkpoint._safetensors_io import read_file
 
 CTX = RunContext.single()

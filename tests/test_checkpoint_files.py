@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from accel.checkpoint._files import resolve_checkpoint
+from accel._safetensors.files import resolve_checkpoint
 
 
 def _sharded(tmp_path: Path, weight_map: dict[str, str]) -> Path:

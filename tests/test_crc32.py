@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accel.checkpoint._crc32 import combine, crc32
+from accel._safetensors.crc32 import combine, crc32
 
 
 @settings(max_examples=200, deadline=None)

@@ -93,7 +93,7 @@ def test_init_distributed_takes_parallelism_from_the_argument_and_the_env(
 
 
 def test_context_parallelism_is_refused_off_cuda() -> None:
-    from accel.parallel._mesh import check_cp
+    from accel._mesh import check_cp
 
     with pytest.raises(NotImplementedError, match=r"cp=2 needs CUDA"):
         check_cp("init_distributed", Parallelism(cp=2), torch.device("cpu").type)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel.checkpoint._header import CorruptFileError
+from accel._safetensors.header import CorruptFileError
 from accel.checkpoint._sharded_io import byte_runs, file_entries, merge_runs
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from accel._safetensors.files import resolve_checkpoint, verified_headers
 from accel.big_model import _device_map as dm
 from accel.big_model._hooks import ATTR, Slot, attach, attach_input_move
 from accel.big_model._offload import (
@@ -20,7 +21,6 @@ from accel.big_model._offload import (
     write_tensor,
 )
 from accel.big_model._planner import Device
-from accel.checkpoint._files import resolve_checkpoint, verified_headers
 
 
 def check_unhooked(fn: str, model: nn.Module) -> None:

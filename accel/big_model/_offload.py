@@ -17,7 +17,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from accel.checkpoint._header import DTYPES
+from accel._safetensors.header import DTYPES
 
 INDEX = "index.json"
 READ_CHUNK = 16 * 2**20

@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from accel._dtensor import has_dtensors, is_sharded
 from accel._groups import barrier
+from accel._safetensors import manifests
+from accel._safetensors.files import resolve_checkpoint
 from accel._size import parse_size
 from accel.checkpoint import _atomic
-from accel.checkpoint._files import resolve_checkpoint
 from accel.checkpoint._model_io import (
     check_against_model,
     dedupe_tied,
@@ -41,7 +43,6 @@ from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel._dtensor import has_dtensors, is_sharded
 
 __all__ = [
     "CheckpointHandle",
@@ -196,16 +197,18 @@ def load_checkpoint_in_model(
         device = torch.device("cuda", device)
     device = torch.device(device) if device is not None else None
     files = resolve_checkpoint(fn, checkpoint)
-    manifest_path = files.files[0].parent / _atomic.MANIFEST
-    manifest = _atomic.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
+    manifest_path = files.files[0].parent / manifests.MANIFEST
+    manifest = (
+        manifests.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
+    )
     inner = unwrap_model(model)
     if is_sharded(inner):  # each rank reads only its own slices
-        sums = {p: _atomic.expected(manifest, p.name) if manifest else None for p in files.files}
+        sums = {p: manifests.expected(manifest, p.name) if manifest else None for p in files.files}
         cpu = device or torch.device("cpu")
         return LoadResult(*load_sharded(fn, inner, files, sums, device=cpu, strict=strict))
     loaded: dict[str, torch.Tensor] = {}
     for path in files.files:
-        expect = _atomic.expected(manifest, path.name) if manifest else None
+        expect = manifests.expected(manifest, path.name) if manifest else None
         loaded.update(read_file(fn, path, expect))
     state = check_against_model(fn, inner, loaded, strict=strict)
     if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):

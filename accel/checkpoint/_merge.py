@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from accel._safetensors import manifests
 from accel._size import parse_size
 from accel.checkpoint import _atomic
 from accel.checkpoint._dcp import DCP_DIR, _reader
@@ -89,7 +90,7 @@ def _model_prefix(src: Path, metadata: Any, model: str | None) -> str:
     if model is not None:
         return f"{model}."
     names = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
-    manifest = src / _atomic.MANIFEST
+    manifest = src / manifests.MANIFEST
     if manifest.is_file():
         names = list(json.loads(manifest.read_text()).get("dcp", names))
     if len(names) != 1:

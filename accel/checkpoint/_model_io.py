@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._dtensor import is_dtensor, is_sharded
+from accel._safetensors import manifests
+from accel._safetensors.files import INDEX_NAME, SINGLE_NAME
 from accel._version import __version__
 from accel.checkpoint import _atomic
-from accel.checkpoint._files import INDEX_NAME, SINGLE_NAME
 from accel.checkpoint._safetensors_io import write_file
-from accel.parallel._dtensor import is_dtensor, is_sharded
 
 # The files save_model writes (and so may remove when it writes another layout); nothing else.
 _OWN_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
@@ -212,7 +213,7 @@ def publish_model_files(
     layout = file_layout(tensors, max_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     entries: dict[str, list[int]] = {}
-    names = [name for name, _ in layout] + [INDEX_NAME, _atomic.MANIFEST]
+    names = [name for name, _ in layout] + [INDEX_NAME, manifests.MANIFEST]
     with partials_removed_on_failure(fn, directory, names):
         for name, shard in layout:
             hidden = partial_path(directory / name)
@@ -227,13 +228,13 @@ def publish_model_files(
             hidden = partial_path(directory / INDEX_NAME)
             entries[INDEX_NAME] = list(_atomic.write_bytes(hidden, data))
         manifest = {
-            "format": _atomic.FORMAT,
+            "format": manifests.FORMAT,
             "accel_version": __version__,
             "torch_version": torch.__version__,
             "files": entries,
         }
         data = json.dumps(manifest, indent=1).encode()
-        _atomic.write_bytes(partial_path(directory / _atomic.MANIFEST), data)
+        _atomic.write_bytes(partial_path(directory / manifests.MANIFEST), data)
     stale = [
         p for p in directory.iterdir() if _OWN_FILES.fullmatch(p.name) and p.name not in entries
     ]
@@ -241,7 +242,7 @@ def publish_model_files(
         partial_path(directory / name).replace(directory / name)
     if any(p.name == INDEX_NAME for p in stale):  # now one file: the old index must not win over it
         (directory / INDEX_NAME).unlink()
-    partial_path(directory / _atomic.MANIFEST).replace(directory / _atomic.MANIFEST)
+    partial_path(directory / manifests.MANIFEST).replace(directory / manifests.MANIFEST)
     for path in stale:  # an earlier save's shards (or single file) of another layout
         path.unlink(missing_ok=True)
     _atomic.fsync_path(directory)

@@ -23,9 +23,8 @@ from types import MappingProxyType
 
 import torch
 
-from accel.checkpoint._atomic import fsync_path, write_at
-from accel.checkpoint._crc32 import PIECE, crc32
-from accel.checkpoint._header import (
+from accel._safetensors.crc32 import PIECE, crc32
+from accel._safetensors.header import (
     DTYPES,
     ITEMSIZE,
     CorruptFileError,
@@ -34,6 +33,7 @@ from accel.checkpoint._header import (
     parse_header,
     pickle_error,
 )
+from accel.checkpoint._atomic import fsync_path, write_at
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.checkpoint._crc32 import combine
-from accel.checkpoint._files import CheckpointFiles
-from accel.checkpoint._header import DTYPES, CorruptFileError, TensorEntry, read_header
+from accel._dtensor import is_dtensor
+from accel._safetensors.crc32 import combine
+from accel._safetensors.files import CheckpointFiles
+from accel._safetensors.header import DTYPES, CorruptFileError, TensorEntry, read_header
 from accel.checkpoint._model_io import check_against_model
-from accel.parallel._dtensor import is_dtensor
 
 # A contiguous byte run: (offset in the tensor's bytes in the file, offset in the local slice,
 # length).
@@ -225,7 +225,7 @@ class _Entry:
 
 
 def file_entries(fn: str, paths: Sequence[Path]) -> dict[str, _Entry]:
-    """Every tensor of the files, read from headers checked by `accel.checkpoint._header`."""
+    """Every tensor of the files, read from headers checked by `accel._safetensors.header`."""
     entries: dict[str, _Entry] = {}
     for path in paths:
         header = read_header(fn, path)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accel._dtensor import is_dtensor
 from accel._groups import barrier, require_group
+from accel._safetensors.crc32 import combine, usable_cpus
 from accel.checkpoint._atomic import describe, fsync_path, raise_first, write_at
-from accel.checkpoint._crc32 import combine, usable_cpus
 from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
@@ -31,7 +32,6 @@ from accel.checkpoint._sharded_io import (
     split_checksums,
 )
 from accel.context import RunContext
-from accel.parallel._dtensor import is_dtensor
 
 Piece = tuple[int, int, int]
 """A byte run a rank wrote into a file: (offset, length, crc32 of its bytes)."""

@@ -26,14 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._dtensor import is_sharded
+from accel._safetensors import manifests
 from accel.checkpoint import _atomic, _dcp
+from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
 from accel.checkpoint._safetensors_io import PendingWrite, read_file, start_write
 from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel._dtensor import is_sharded
-from accel.parallel._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.seeding import get_rng_state, set_rng_state, set_seed
 
 RNG = "rng"
@@ -233,7 +234,7 @@ def finish(
     if dcp_dir.is_dir():
         for path in sorted(dcp_dir.rglob("*")):
             if path.is_file():
-                entries[path.relative_to(staging).as_posix()] = list(_atomic.checksum_file(path))
+                entries[path.relative_to(staging).as_posix()] = list(manifests.checksum_file(path))
     info = {"world_size": world_size, **info}
     _atomic.publish(fn, staging, final, entries, info, replace=replace)
 
@@ -243,14 +244,14 @@ def _read(
 ) -> tuple[Any, dict[str, Any]]:
     json_rel, st_rel = f"{stem}.json", f"{stem}.safetensors"
     for rel in (json_rel, st_rel):
-        if _atomic.expected(manifest, rel) is None:
+        if manifests.expected(manifest, rel) is None:
             raise ValueError(
                 f"{fn}: {str(directory)!r} holds no {rel!r} (saved objects: "
                 f"{sorted(manifest.get('objects', {}))}); pass the names used at save time."
             )
     path = directory / json_rel
     raw = path.read_bytes()
-    if (len(raw), zlib.crc32(raw)) != _atomic.expected(manifest, json_rel):
+    if (len(raw), zlib.crc32(raw)) != manifests.expected(manifest, json_rel):
         raise ValueError(
             f"{fn}: {str(path)!r} fails its size/checksum check; the file is corrupt. Load an "
             "earlier checkpoint."
@@ -267,7 +268,7 @@ def _read(
         )
     # A module's weights are copied into its parameters at once; other objects keep theirs.
     private = doc.get("kind") != "module"
-    tensors = read_file(fn, directory / st_rel, _atomic.expected(manifest, st_rel), copy=private)
+    tensors = read_file(fn, directory / st_rel, manifests.expected(manifest, st_rel), copy=private)
     try:
         return decode(fn, doc["state"], tensors), doc
     except (ValueError, TypeError, KeyError, AttributeError) as err:
@@ -301,7 +302,7 @@ def load(
     Nothing is changed until every file passed its size, checksum and header checks, so a
     corrupt file leaves the objects (and the RNG states) as they were.
     """
-    manifest = _atomic.read_manifest(fn, directory)
+    manifest = manifests.read_manifest(fn, directory)
     plan = classify(fn, objects, frozenset(manifest.get("dcp", ())))
     todo: list[tuple[str, Any, Any]] = []
     grads: list[tuple[Any, dict[str, torch.Tensor] | None]] = []
@@ -368,7 +369,7 @@ def _read_grads(
             f"this run has world_size={ctx.world_size}; each rank's partial sums cannot be "
             "split another way. Resume at the saved world size, or save after an optimizer step."
         )
-    if _atomic.expected(manifest, f"{stem}.json") is None:
+    if manifests.expected(manifest, f"{stem}.json") is None:
         return None
     grads, _ = _read(fn, directory, manifest, stem)
     unknown = sorted({k.removeprefix(UNSHARDED) for k in grads} - set(params))
@@ -396,7 +397,7 @@ def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
     for rel, (size, crc) in manifest["files"].items():
         if rel.startswith(f"{_dcp.DCP_DIR}/"):
             path = directory / rel
-            if not path.is_file() or _atomic.checksum_file(path) != (size, crc):
+            if not path.is_file() or manifests.checksum_file(path) != (size, crc):
                 raise ValueError(
                     f"{fn}: {str(path)!r} is missing or fails its checksum; the checkpoint is "
                     "corrupt. Load an earlier checkpoint."
@@ -405,7 +406,7 @@ def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
 
 def _read_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> Any:
     stem = f"{RNG}/rank{ctx.rank}"
-    if _atomic.expected(manifest, f"{stem}.json") is None:
+    if manifests.expected(manifest, f"{stem}.json") is None:
         return None
     state, _ = _read(fn, directory, manifest, stem)
     # torch.set_rng_state reads a view's storage from offset 0: give it tensors of their own.

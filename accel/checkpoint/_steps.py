@@ -6,6 +6,7 @@ import logging
 import re
 from pathlib import Path
 
+from accel._safetensors import manifests
 from accel.checkpoint import _atomic
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def complete_steps(root: Path) -> list[tuple[int, Path]]:
 
 def _is_complete(path: Path) -> bool:
     try:
-        manifest = _atomic.read_manifest("latest_checkpoint", path)
+        manifest = manifests.read_manifest("latest_checkpoint", path)
         for rel, (size, _) in manifest["files"].items():
             if (path / rel).stat().st_size != size:
                 logger.debug("skipping %s: %s has not the size its manifest records", path, rel)

@@ -17,10 +17,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from accel import _env_vars
+from accel import _accelerate_config, _env_vars
 from accel import config as _config
 from accel.cli._args import add_flag
-from accel.parallel import _accelerate
 
 # Flags that override a config key of the same name, and their types.
 _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
@@ -76,9 +75,9 @@ def add_parser(commands: Any) -> None:
 
 # Flags that fill Accelerate's nested sections, spelled as its `accelerate launch` flags.
 _SECTION_FLAGS = (
-    ("fsdp_config", _accelerate.FSDP_KEYS),
-    ("parallelism_config", _accelerate.PARALLELISM_KEYS),
-    ("dynamo_config", _accelerate.DYNAMO_KEYS),
+    ("fsdp_config", _accelerate_config.FSDP_KEYS),
+    ("parallelism_config", _accelerate_config.PARALLELISM_KEYS),
+    ("dynamo_config", _accelerate_config.DYNAMO_KEYS),
 )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel._tree import flatten, unflatten
-from accel.collectives import _pad, gather_leaves, gather_parts
+from accel.collectives import gather_leaves, gather_parts, pad_tensor
 from accel.context import RunContext, along
 from accel.data._loader import Layout, ShardedLoader
 from accel.data._shard_plan import ShardBatch, ShardPlan
@@ -213,7 +213,7 @@ def _gather_padded(ctx: RunContext, leaves: list[Any], treedef: Any, layout: Lay
     """Pad every rank's batch to the longest (even_batches=False), gather the whole tree in one
     checked exchange, then keep each rank's real samples."""
     longest = max(size for size, _ in layout)
-    padded = [_pad(leaf, 0, longest, 0, False) for leaf in leaves]
+    padded = [pad_tensor(leaf, 0, longest, 0, False) for leaf in leaves]
     hint = (
         "Every rank must pass per-sample results of the same structure, dtypes and trailing shape."
     )

@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from accel.checkpoint import _atomic
-from accel.checkpoint._header import (
+from accel._safetensors import manifests
+from accel._safetensors.header import (
     CorruptFileError,
     Header,
     looks_like_pickle,
@@ -109,13 +109,14 @@ def verified_headers(fn: str, files: CheckpointFiles) -> dict[Path, Header]:
     the manifest up front, so a flipped bit is refused before any weight is placed.
     """
     folder = files.files[0].parent
-    manifest = _atomic.read_manifest(fn, folder) if (folder / _atomic.MANIFEST).is_file() else None
+    has_manifest = (folder / manifests.MANIFEST).is_file()
+    manifest = manifests.read_manifest(fn, folder) if has_manifest else None
     headers = {}
     for path in files.files:
         headers[path] = read_header(fn, path)
-        expect = _atomic.expected(manifest, path.name) if manifest is not None else None
+        expect = manifests.expected(manifest, path.name) if manifest is not None else None
         if expect is not None:
-            found = _atomic.checksum_file(path)
+            found = manifests.checksum_file(path)
             if found != expect:
                 raise CorruptFileError(
                     f"{fn}: {str(path)!r} fails its checksum (size {found[0]}, crc32 "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.parallel._dtensor import is_dtensor
+from accel._dtensor import is_dtensor
 
 UNSHARDED = "unsharded:"
 """Key prefix of an unsharded (in-window) sum; sharded `.grad` keys are parameter names."""

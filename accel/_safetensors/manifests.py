@@ -1,0 +1,81 @@
+"""accel's manifest: the sizes and crc32 of every file of a published folder, written last.
+
+A folder with a manifest is complete; a reader checks each file it reads against its entry.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+from typing import Any
+
+from accel._safetensors.crc32 import crc32
+
+MANIFEST = "accel-manifest.json"
+FORMAT = 1
+
+
+def checksum_file(path: Path) -> tuple[int, int]:
+    """(size, crc32) of a file on disk."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return size, crc32(view)
+        finally:
+            view.release()
+
+
+def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
+    """The manifest of a published directory; raises naming the directory or the manifest."""
+    path = directory / MANIFEST
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"{fn}: directory={str(directory)!r} is a file, not a checkpoint folder. Pass the "
+            "folder save_state wrote (or accel.latest_checkpoint(root) for numbered ones)."
+        )
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{fn}: directory={str(directory)!r} does not exist. If it was the latest "
+            "checkpoint a moment ago, a newer save_checkpoint(keep=...) rotated it away; call "
+            "accel.latest_checkpoint(root) again."
+        )
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"{fn}: {str(directory)!r} was deleted while it was read: a newer save rotated "
+                "it away. Call accel.latest_checkpoint(root) again."
+            ) from None
+        raise FileNotFoundError(
+            f"{fn}: {str(directory)!r} has no {MANIFEST}, so it is not a complete accel "
+            "checkpoint (a save was interrupted, or it was written by something else). Use "
+            "accel.latest_checkpoint(root) to find the newest complete one."
+        ) from None
+    try:
+        manifest: Any = json.loads(text)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise TypeError("no 'files' object")
+        for rel, entry in manifest["files"].items():
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+            ):
+                raise TypeError(f"the entry of {rel!r} is {entry!r}, not [size, crc32]")
+    except (ValueError, TypeError, RecursionError) as err:  # RecursionError: nested too deep
+        raise ValueError(
+            f"{fn}: {str(path)!r} is not a valid accel manifest ({err}); the checkpoint is "
+            "damaged. Load an earlier checkpoint."
+        ) from None
+    return manifest
+
+
+def expected(manifest: dict[str, Any], rel: str) -> tuple[int, int] | None:
+    """(size, crc32) the manifest recorded for `rel`, or None when it lists no such file."""
+    entry = manifest["files"].get(rel)
+    return None if entry is None else (int(entry[0]), int(entry[1]))
