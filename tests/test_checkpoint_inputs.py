@@ -195,7 +195,7 @@ def test_load_state_refuses_a_damaged_header_even_with_a_matching_manifest(
 
 
 @pytest.mark.parametrize("loader", sorted(WEIGHT_LOADERS))
-def test_a_shard_linked_to_a_large_file_outside_is_refused_by_its_header(
+def test_a_shard_linked_to_a_large_file_outside_is_refused_before_it_is_read(
     tmp_path: Path, loader: str
 ) -> None:
     outside = tmp_path / "system" / "disk.img"
@@ -206,7 +206,7 @@ def test_a_shard_linked_to_a_large_file_outside_is_refused_by_its_header(
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(outside)
-    with pytest.raises(ValueError, match=r"model\.safetensors.*header"):
+    with pytest.raises(ValueError, match=r"model\.safetensors.*symbolic link to .*disk\.img"):
         WEIGHT_LOADERS[loader](folder)
 
 
@@ -335,3 +335,91 @@ def _dispatch_mlp(path: Path) -> None:
     with accel.init_empty_weights():
         model = _mlp(0, width=64)
     accel.dispatch_checkpoint(model, path, device_map={"": "cpu"})
+
+
+# ------------------------------------------------------------ shards linked from outside
+
+
+def _two_tensors() -> nn.Module:
+    return nn.Linear(4, 4)  # weight and bias: two shards at max_shard_size=64
+
+
+def _load_two(path: Path) -> None:
+    accel.load_checkpoint_in_model(_two_tensors(), path)
+
+
+def _dispatch_two(path: Path) -> None:
+    with accel.init_empty_weights():
+        model = _two_tensors()
+    accel.dispatch_checkpoint(model, path, device_map={"": "cpu"})
+
+
+LOADERS_TWO: dict[str, Callable[[Path], None]] = {
+    "load_checkpoint_in_model": _load_two,
+    "dispatch_checkpoint": _dispatch_two,
+}
+
+
+def _linked_out(tmp_path: Path, sharded: bool) -> tuple[Path, Path, Path]:
+    """A save_model export whose (first) shard was moved out and linked back: same bytes."""
+    folder = tmp_path / "ckpt"
+    accel.save_model(CTX, _two_tensors(), folder, max_shard_size=64 if sharded else "5GB")
+    name = "model-00001-of-00002.safetensors" if sharded else "model.safetensors"
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+    return folder, folder / name, outside
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("loader", sorted(LOADERS_TWO))
+def test_a_shard_linked_from_outside_the_folder_is_refused_naming_link_and_target(
+    tmp_path: Path, loader: str, sharded: bool
+) -> None:
+    folder, link, outside = _linked_out(tmp_path, sharded)
+    pattern = re.escape(str(link)) + ".*symbolic link to " + re.escape(repr(str(outside)))
+    with pytest.raises(ValueError, match=pattern):
+        LOADERS_TWO[loader](folder)
+    if sharded:  # the same through the index
+        with pytest.raises(ValueError, match=pattern):
+            LOADERS_TWO[loader](folder / "model.safetensors.index.json")
+
+
+def test_load_state_refuses_a_file_linked_from_outside_naming_link_and_target(
+    tmp_path: Path,
+) -> None:
+    accel.save_state(CTX, tmp_path / "s", model=_linear())
+    link, outside = tmp_path / "s" / "model.safetensors", tmp_path / "elsewhere.safetensors"
+    link.rename(outside)
+    link.symlink_to(outside)
+    model = _linear()
+    before = _params(model)
+    pattern = re.escape(str(link)) + ".*symbolic link to " + re.escape(repr(str(outside)))
+    with pytest.raises(ValueError, match=pattern):
+        accel.load_state(CTX, tmp_path / "s", model=model)
+    assert _same(_params(model), before)
+
+
+@pytest.mark.parametrize("loader", sorted(LOADERS_TWO))
+def test_links_inside_the_folder_and_the_hub_cache_layout_still_load(
+    tmp_path: Path, loader: str
+) -> None:
+    # Hugging Face's cache: snapshots/<rev>/<file> -> ../../blobs/<sha>, a link out of the
+    # snapshot folder that loaders must keep following.
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    accel.save_model(CTX, _two_tensors(), tmp_path / "export", max_shard_size=64)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, path in enumerate(sorted((tmp_path / "export").iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        path.rename(blob)
+        (snapshot / path.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    LOADERS_TWO[loader](snapshot)
+    inside = tmp_path / "inside"  # a link to a file of the same folder
+    accel.save_model(CTX, _two_tensors(), inside, max_shard_size=64)
+    shard = inside / "model-00002-of-00002.safetensors"
+    shard.rename(inside / "real.bin")
+    shard.symlink_to("real.bin")
+    LOADERS_TWO[loader](inside)

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from accel._safetensors import manifests
+from accel._safetensors.exports import settle
 from accel._safetensors.header import (
     CorruptFileError,
     Header,
@@ -45,7 +46,9 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
             its folder.
     """
     path = Path(checkpoint)
+    settle(fn, path if path.is_dir() else path.parent)  # an export a kill left half renamed
     if path.is_dir():
+        folder = path
         if (path / INDEX_NAME).is_file():
             path = path / INDEX_NAME
         elif (path / SINGLE_NAME).is_file():
@@ -62,6 +65,7 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
                     "file or index to load."
                 )
             path = path / found[0]
+        check_inside(fn, path, folder)
     if not path.exists():
         raise FileNotFoundError(f"{fn}: checkpoint={str(checkpoint)!r} does not exist.")
     if looks_like_pickle(path):
@@ -69,6 +73,28 @@ def resolve_checkpoint(fn: str, checkpoint: str | os.PathLike[str]) -> Checkpoin
     if path.suffix == ".json":
         return _read_index(fn, path)
     return CheckpointFiles(files=(path,), weight_map=None)
+
+
+def check_inside(fn: str, path: Path, folder: Path) -> None:
+    """Refuse `path` when it leads (through a symbolic link) outside the checkpoint `folder`.
+
+    A checkpoint copied from elsewhere could otherwise read any file on the machine into the
+    weights. The Hugging Face hub cache's own links (`snapshots/<rev>/x -> ../../blobs/<sha>`)
+    are allowed.
+    """
+    target, base = path.resolve(), folder.resolve()
+    if target == base or base in target.parents:
+        return
+    if (
+        folder.parent.name == "snapshots"
+        and target.parent == (folder.parent.parent / "blobs").resolve()
+    ):
+        return
+    raise ValueError(
+        f"{fn}: {str(path)!r} is a symbolic link to {str(target)!r}, outside the checkpoint "
+        f"folder {str(folder)!r}; accel reads only files inside it. Copy the file into the "
+        "folder instead of linking it (or save the checkpoint again)."
+    )
 
 
 def _read_index(fn: str, index: Path) -> CheckpointFiles:
@@ -92,6 +118,8 @@ def _read_index(fn: str, index: Path) -> CheckpointFiles:
                 "checkpoint folder; an index may only name files beside it. Refusing to read it."
             )
         shard = index.parent / relative
+        if shard not in files:
+            check_inside(fn, shard, index.parent)
         if shard not in files and not shard.is_file():
             raise FileNotFoundError(
                 f"{fn}: shard {file!r} named by {str(index)!r} (for {name!r}) is missing; the "

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from accel._safetensors import manifests
+from accel._safetensors.exports import export_lock, partial_path
 from accel._size import parse_size
 from accel.checkpoint import _atomic
 from accel.checkpoint._dcp import DCP_DIR, _reader
 from accel.checkpoint._model_io import (
     FILE_METADATA,
     file_layout,
-    partial_path,
     partials_removed_on_failure,
     publish_model_files,
 )
@@ -66,13 +66,14 @@ def merge_weights(
     destination.mkdir(parents=True, exist_ok=True)
     sums = {}
     layout = file_layout(tensors, max_bytes)
-    with partials_removed_on_failure(_FN, destination, [name for name, _ in layout]):
-        for name, shard in layout:
-            path = partial_path(destination / name)
-            sums[path] = _stream_file(folder, path, shard, prefix)
-    publish_model_files(
-        _FN, destination, tensors, {}, max_bytes, write=lambda path, **_: sums[path]
-    )
+    with export_lock(destination):
+        with partials_removed_on_failure(_FN, destination, [name for name, _ in layout]):
+            for name, shard in layout:
+                path = partial_path(destination / name)
+                sums[path] = _stream_file(folder, path, shard, prefix)
+        publish_model_files(
+            _FN, destination, tensors, {}, max_bytes, write=lambda path, **_: sums[path]
+        )
     return list(tensors)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,13 +14,18 @@ from torch import nn
 
 from accel._dtensor import is_dtensor, is_sharded
 from accel._safetensors import manifests
+from accel._safetensors.exports import (
+    JOURNAL,
+    OWN_FILES,
+    export_lock,
+    partial_path,
+    write_journal,
+)
+from accel._safetensors.exports import complete as complete_export
 from accel._safetensors.files import INDEX_NAME, SINGLE_NAME
 from accel._version import __version__
 from accel.checkpoint import _atomic
 from accel.checkpoint._safetensors_io import write_file
-
-# The files save_model writes (and so may remove when it writes another layout); nothing else.
-_OWN_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def dedupe_tied(
@@ -88,11 +92,6 @@ def file_layout(
     if len(shards) == 1:
         return [(SINGLE_NAME, shards[0])]
     return [(shard_name(i, len(shards)), shard) for i, shard in enumerate(shards)]
-
-
-def partial_path(path: Path) -> Path:
-    """The hidden name a file is written under before it is renamed into place."""
-    return path.with_name(f".{path.name}.partial")
 
 
 def check_against_model(
@@ -190,7 +189,9 @@ def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
 def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
     """Write the Hugging Face layout of a full state from this process, then publish it."""
     tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
-    publish_model_files("save_model", directory, tensors, aliases, max_bytes, write_file)
+    directory.mkdir(parents=True, exist_ok=True)
+    with export_lock(directory):
+        publish_model_files("save_model", directory, tensors, aliases, max_bytes, write_file)
 
 
 def publish_model_files(
@@ -202,18 +203,19 @@ def publish_model_files(
     write: Callable[..., tuple[int, int]],
 ) -> None:
     """Write each file with `write(path, tensors=, metadata=)` under its `partial_path`, then
-    rename them all into place, write the index and manifest, and remove this layout's stale
-    files.
+    publish them through a journal (`accel._safetensors.exports`): renamed into place with the
+    index and manifest, this layout's stale files removed. The caller holds `export_lock`.
 
     `write` returns the file's (size, crc32). A sharded save or `merge-weights` has already
     written every file under its `partial_path`, and passes a `write` that only reports them.
-    No file is renamed until every one is written, so a failed write leaves the folder's
-    files as they were (`partials_removed_on_failure`).
+    Until the journal is written the folder's files are as they were, and a failed write
+    removes the partial files (`partials_removed_on_failure`); once it is written, a kill at
+    any instant leaves a folder the next load or save finishes publishing.
     """
     layout = file_layout(tensors, max_bytes)
     directory.mkdir(parents=True, exist_ok=True)
     entries: dict[str, list[int]] = {}
-    names = [name for name, _ in layout] + [INDEX_NAME, manifests.MANIFEST]
+    names = [name for name, _ in layout] + [INDEX_NAME, JOURNAL]
     with partials_removed_on_failure(fn, directory, names):
         for name, shard in layout:
             hidden = partial_path(directory / name)
@@ -233,19 +235,12 @@ def publish_model_files(
             "torch_version": torch.__version__,
             "files": entries,
         }
-        data = json.dumps(manifest, indent=1).encode()
-        _atomic.write_bytes(partial_path(directory / manifests.MANIFEST), data)
-    stale = [
-        p for p in directory.iterdir() if _OWN_FILES.fullmatch(p.name) and p.name not in entries
-    ]
-    for name in entries:  # each rename atomic: a reader sees the old file or the new one
-        partial_path(directory / name).replace(directory / name)
-    if any(p.name == INDEX_NAME for p in stale):  # now one file: the old index must not win over it
-        (directory / INDEX_NAME).unlink()
-    partial_path(directory / manifests.MANIFEST).replace(directory / manifests.MANIFEST)
-    for path in stale:  # an earlier save's shards (or single file) of another layout
-        path.unlink(missing_ok=True)
-    _atomic.fsync_path(directory)
+        own = (p.name for p in directory.iterdir() if OWN_FILES.fullmatch(p.name))
+        # The old index goes first: a reader never follows it to shards already removed.
+        stale = sorted((n for n in own if n not in entries), key=lambda n: (n != INDEX_NAME, n))
+        _atomic.fsync_path(directory)
+        write_journal(directory, manifest, stale)
+    complete_export(directory)
 
 
 @contextmanager

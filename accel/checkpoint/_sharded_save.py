@@ -11,6 +11,7 @@ import os
 import socket
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from accel._dtensor import is_dtensor
 from accel._groups import barrier, require_group
 from accel._safetensors.crc32 import combine, usable_cpus
+from accel._safetensors.exports import export_lock, partial_path
 from accel.checkpoint._atomic import describe, fsync_path, raise_first, write_at
-from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
+from accel.checkpoint._model_io import FILE_METADATA, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
     as_buffer,
@@ -138,23 +140,24 @@ def save_sharded(
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
     paths = [partial_path(directory / name) for name, _ in layout]
-    with partials_removed_on_failure(fn, directory, [name for name, _ in layout]):
+    with ExitStack() as lock, partials_removed_on_failure(fn, directory, [n for n, _ in layout]):
         failure: Failure = None
         if ctx.is_main:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
+                lock.enter_context(export_lock(directory))  # held by rank 0 until published
                 for path, (_, tensors) in zip(paths, layout, strict=True):
                     presize(path, tensors, FILE_METADATA)
             except OSError as err:  # told to every rank by the survey, which raises on each
                 failure = describe(err)
         barrier(ctx, fn)
         sums = _write_all_ranks(ctx, paths, layout, group, failure)
-    published: OSError | None = None
-    if ctx.is_main:
-        try:
-            publish(lambda path, **_: sums[path])
-        except OSError as err:  # publish removed the partial files; its error names the folder
-            published = err
+        published: OSError | None = None
+        if ctx.is_main:
+            try:
+                publish(lambda path, **_: sums[path])
+            except OSError as err:  # publish removed the partial files; its error names the folder
+                published = err
     everyone: list[Any] = [None] * ctx.world_size  # the closing barrier, telling the outcome
     dist.all_gather_object(everyone, published and describe(published), group=group)
     if published is not None:

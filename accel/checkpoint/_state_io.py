@@ -28,6 +28,7 @@ from torch import nn
 
 from accel._dtensor import is_sharded
 from accel._safetensors import manifests
+from accel._safetensors.files import check_inside
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
@@ -303,6 +304,8 @@ def load(
     corrupt file leaves the objects (and the RNG states) as they were.
     """
     manifest = manifests.read_manifest(fn, directory)
+    for rel in manifest["files"]:  # a file linked from outside the checkpoint is never read
+        check_inside(fn, directory / rel, directory)
     plan = classify(fn, objects, frozenset(manifest.get("dcp", ())))
     todo: list[tuple[str, Any, Any]] = []
     grads: list[tuple[Any, dict[str, torch.Tensor] | None]] = []
