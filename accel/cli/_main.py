@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from accel.cli import _config_cmd, _env, _estimate, _launch, _merge, _selftest
 
-# Errors that mean "the user asked for something invalid": reported in one line.
-_USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError, PermissionError, EOFError)
+# Errors that mean "the user asked for something invalid", or a file or disk that cannot serve
+# it (OSError: a full disk, a file where a folder must be): reported in one line.
+_USER_ERRORS = (ValueError, OSError, NotImplementedError, EOFError)
 
 
 def build_parser() -> argparse.ArgumentParser:
