@@ -26,7 +26,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +120,8 @@ def complete(directory: Path) -> None:
         ) from None
     _fsync(directory)  # the journal is durable before any file is renamed
     for name in names:  # each rename atomic: the new files replace the old ones
-        hidden = partial_path(directory / name)
-        if hidden.exists():
-            hidden.replace(directory / name)
+        with suppress(FileNotFoundError):  # renamed already (by the writer, before it died)
+            partial_path(directory / name).replace(directory / name)
     for name in stale:  # the earlier export's files of another layout (an index first)
         if OWN_FILES.fullmatch(name) and name not in names:
             (directory / name).unlink(missing_ok=True)
@@ -132,7 +131,7 @@ def complete(directory: Path) -> None:
         os.fsync(f.fileno())
     hidden.replace(directory / MANIFEST)
     _fsync(directory)
-    journal.unlink()
+    journal.unlink(missing_ok=True)
     _fsync(directory)
 
 
