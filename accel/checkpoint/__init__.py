@@ -85,6 +85,8 @@ def save_model(
     them tied. Rank 0 writes; every rank returns once the files are durable. An accel manifest
     (sizes, checksums) is written beside them. `save_model`'s own files of an earlier save in
     another layout (shards, index, single file) are removed; other files are left alone.
+    A kill at any instant leaves the folder loadable as the complete previous export or the
+    complete new one (a journal the next load or save finishes; docs/checkpoints.md).
     A sharded model (FSDP2, tensor parallel, both) is written without gathering: the files,
     byte-identical to those of the same model unsharded, are laid out from global shapes and
     every rank writes its own slices into place (call it on every rank); where the ranks do
@@ -160,7 +162,8 @@ def load_checkpoint_in_model(
     Shapes must match (an error names the tensor and both shapes); with `strict`, so must the
     key sets. When the folder holds an accel manifest (written by `save_model`), each file's
     size and checksum are verified first. Index entries pointing outside the folder (`../`,
-    absolute paths) are refused before any file is opened.
+    absolute paths), and files that are symbolic links leading out of it, are refused before
+    any file is opened. An export a killed `save_model` left half published is finished first.
 
     A sharded model (FSDP2, tensor parallel, both; built under `init_empty_weights` and sharded
     on meta included) loads slice by slice: call it on every rank; each rank reads only the
