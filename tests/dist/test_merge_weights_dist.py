@@ -317,6 +317,14 @@ def test_merge_weights_of_an_intact_checkpoint_leaves_the_source_untouched(
     assert accel.load_checkpoint_in_model(model, dst) == accel.LoadResult([], [])
     for k, v in model.state_dict().items():
         assert torch.equal(v, built[1][k]), k
+    bare = tmp_path / "bare-dcp"  # a DCP folder on its own: no manifest to verify against
+    shutil.copytree(src / "dcp", bare)
+    code, text = _merge([str(bare), str(tmp_path / "from-bare"), "--model", "model"], capsys)
+    assert code == 0, text
+    model = Tiny()
+    accel.load_checkpoint_in_model(model, tmp_path / "from-bare")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, built[1][k]), k
 
 
 def _file_size_limit() -> None:
