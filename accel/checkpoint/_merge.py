@@ -26,7 +26,7 @@ import torch
 
 from accel._safetensors import manifests
 from accel._safetensors.crc32 import combine
-from accel._safetensors.exports import export_lock, partial_path
+from accel._safetensors.exports import export_lock
 from accel._safetensors.files import check_inside
 from accel._safetensors.header import CorruptFileError
 from accel._size import parse_size
@@ -35,6 +35,7 @@ from accel.checkpoint._dcp import DCP_DIR, _MetadataUnpickler
 from accel.checkpoint._model_io import (
     FILE_METADATA,
     file_layout,
+    partial_path,
     partials_removed_on_failure,
     publish_model_files,
 )

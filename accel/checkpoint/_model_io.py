@@ -14,14 +14,9 @@ from torch import nn
 
 from accel._dtensor import is_dtensor, is_sharded
 from accel._safetensors import manifests
-from accel._safetensors.exports import (
-    JOURNAL,
-    OWN_FILES,
-    export_lock,
-    partial_path,
-    write_journal,
-)
+from accel._safetensors.exports import JOURNAL, OWN_FILES, export_lock, write_journal
 from accel._safetensors.exports import complete as complete_export
+from accel._safetensors.exports import partial_path as partial_path  # where callers import it
 from accel._safetensors.files import INDEX_NAME, SINGLE_NAME
 from accel._version import __version__
 from accel.checkpoint import _atomic

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from accel._dtensor import is_dtensor
 from accel._groups import barrier, require_group
 from accel._safetensors.crc32 import combine, usable_cpus
-from accel._safetensors.exports import export_lock, partial_path
+from accel._safetensors.exports import export_lock
 from accel.checkpoint._atomic import describe, fsync_path, raise_first, write_at
-from accel.checkpoint._model_io import FILE_METADATA, partials_removed_on_failure
+from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
     as_buffer,
