@@ -34,6 +34,7 @@ accel.shutdown(ctx)
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "RANK", "WORLD"))}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")  # no user config leaks in
+    env["HF_HOME"] = str(tmp_path / "hf")  # nor Accelerate's, which `accel launch` also reads
     env["PYTHONPATH"] = str(REPO)
     return env
 
