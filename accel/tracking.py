@@ -244,8 +244,8 @@ class JSONLTracker(_OnceTracker):
 
 _TENSORBOARD_MISSING = (
     "TensorBoardTracker needs the optional 'tensorboard' package, which is not installed. "
-    "Install it with `pip install 'accel[tensorboard]'` (or `pip install tensorboard`), or use "
-    "JSONLTracker."
+    "Install it with `pip install 'accel-train[tensorboard]'` (or `pip install tensorboard`), "
+    "or use JSONLTracker."
 )
 
 
@@ -403,7 +403,7 @@ def progress(
         if ctx.is_main:
             warnings.warn(
                 "progress: tqdm is not installed, so no progress bar is shown; install it with "
-                "`pip install 'accel[tqdm]'`.",
+                "`pip install 'accel-train[tqdm]'`.",
                 stacklevel=2,
             )
         return _SilentBar(iterable, None if total is None else int(total))

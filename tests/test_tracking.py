@@ -162,7 +162,7 @@ def test_tensorboard_event_file_reads_back(tmp_path: Path) -> None:
 def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     # As if tensorboard were not installed: importing torch.utils.tensorboard fails.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install 'accel\[tensorboard\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'accel-train\[tensorboard\]'"):
         TensorBoardTracker("unused")
 
 
