@@ -272,6 +272,7 @@ def default_config_path() -> Path:
         The path of the default config file.
 
     Example:
+        >>> from accel import default_config_path
         >>> default_config_path().name
         'default_config.yaml'
     """
@@ -345,6 +346,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             (DeepSpeed, TPU, ...).
 
     Example:
+        >>> from accel import load_config
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "c.yaml"
         >>> _ = p.write_text("num_processes: 2\\nmixed_precision: 'no'\\n")
