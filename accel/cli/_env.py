@@ -42,7 +42,7 @@ def _memory_gib() -> str:
 def report() -> str:
     import torch
 
-    import accel
+    import accel  # imported on use: `accel --help` should not pay for torch
 
     lines = [
         f"- accel ({DISTRIBUTION}): {_version(DISTRIBUTION)}, imported from {accel.__file__}",
