@@ -165,3 +165,18 @@ def test_every_accel_name_the_docs_mention_exists() -> None:
             if name in {"testing", "cli"}:
                 continue
             assert hasattr(accel, name), f"{page.name} mentions accel.{name}, which does not exist"
+
+
+def test_every_benchmark_chart_is_drawn_from_a_table_and_linked() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import charts
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for chart in charts.CHARTS:
+        labels, values = charts.table(text, chart)
+        assert "accel" in " ".join([*labels, chart.title]), chart.name  # accel against ...
+        assert all(len(numbers) == len(labels) for numbers in values.values()), chart.name
+        assert f"](charts/{chart.name}.png)" in text, f"benchmarks.md does not show {chart.name}"
+        assert (ROOT / "docs" / "charts" / f"{chart.name}.png").is_file(), chart.name
