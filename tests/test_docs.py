@@ -176,7 +176,6 @@ def test_every_benchmark_chart_is_drawn_from_a_table_and_linked() -> None:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     for chart in charts.CHARTS:
         labels, values = charts.table(text, chart)
-        assert "accel" in " ".join([*labels, chart.title]), chart.name  # accel against ...
-        assert all(len(numbers) == len(labels) for numbers in values.values()), chart.name
+        assert len(labels) > 1 and all(len(v) == len(labels) for v in values.values()), chart.name
         assert f"](charts/{chart.name}.png)" in text, f"benchmarks.md does not show {chart.name}"
         assert (ROOT / "docs" / "charts" / f"{chart.name}.png").is_file(), chart.name
