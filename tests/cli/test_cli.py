@@ -104,7 +104,7 @@ def test_config_default_and_truncated_answers(tmp_path: Path) -> None:
     target = tmp_path / "c.yaml"
     assert accel_cli(tmp_path, "config", "--default", "--config-file", str(target)).returncode == 0
     assert "num_processes: 1" in target.read_text()
-    out = accel_cli(tmp_path, "config", "--config_file", str(target), stdin="1\n")
+    out = accel_cli(tmp_path, "config", "--config_file", str(target), "--force", stdin="1\n")
     assert out.returncode == 2
     assert "input ended before 'How many processes in total?' was answered" in out.stderr
 
