@@ -9,6 +9,8 @@ PYTEST ?= $(PY) -m pytest
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
+	@# The distribution was named `accel` before it became `accel-train`: drop an old install.
+	$(PY) -m pip uninstall --quiet --yes accel 2>/dev/null || true
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 

@@ -12,6 +12,7 @@ from accel.batch_size import (
 from accel.big_model import (
     compute_module_sizes,
     cpu_offload,
+    describe_device_map,
     disk_offload,
     dispatch_checkpoint,
     infer_device_map,
@@ -126,6 +127,7 @@ __all__ = [
     "compute_module_sizes",
     "cpu_offload",
     "default_config_path",
+    "describe_device_map",
     "disk_offload",
     "dispatch_checkpoint",
     "find_executable_batch_size",

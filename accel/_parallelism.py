@@ -37,6 +37,7 @@ class Parallelism:
     ranks that see different data.
 
     Example:
+        >>> from accel import Parallelism
         >>> p = Parallelism(dp_shard=-1, tp=2).resolve(8)
         >>> p.dp_shard, p.dp_size
         (4, 4)
@@ -121,6 +122,7 @@ class FSDPOptions:
     """How `wrap_model` applies FSDP2 (`fully_shard`), activation checkpointing and compile.
 
     Example:
+        >>> from accel import FSDPOptions
         >>> FSDPOptions(layer_classes=("Block",), param_dtype="bf16").param_dtype
         torch.bfloat16
     """

@@ -36,6 +36,7 @@ def should_sync(step: int, every: int, *, is_last: bool = False) -> bool:
 
     Example:
 
+    >>> from accel import should_sync
     >>> [should_sync(s, 3) for s in range(6)]
     [False, False, True, False, False, True]
     >>> should_sync(0, 3, is_last=True)
@@ -75,7 +76,9 @@ def accumulate(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from torch import nn
+    >>> from accel import accumulate, RunContext
     >>> ctx = RunContext.single(grad_accum_steps=2)
     >>> model = nn.Linear(2, 1)
     >>> syncs = []
@@ -163,7 +166,8 @@ def num_items_in_batch(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from accel import num_items_in_batch, RunContext
     >>> labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
     >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=True)
     3

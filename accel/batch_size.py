@@ -77,6 +77,7 @@ def find_executable_batch_size(fn: Any = None, *, start: int) -> Any:
 
     Example:
 
+    >>> from accel import find_executable_batch_size
     >>> find_executable_batch_size(lambda b: b, start=8)()
     8
     """

@@ -65,6 +65,7 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import gather, RunContext
         >>> import torch
         >>> gather(RunContext(), {"x": torch.tensor([1.0, 2.0])})
         {'x': tensor([1., 2.])}
@@ -119,6 +120,7 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import reduce, RunContext
         >>> import torch
         >>> reduce(RunContext(), torch.tensor([1.0, 3.0]), op="max")
         tensor([1., 3.])
@@ -183,6 +185,7 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import broadcast, RunContext
         >>> import torch
         >>> broadcast(RunContext(), torch.ones(2))
         tensor([1., 1.])
@@ -241,6 +244,7 @@ def pad_across_processes(
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import pad_across_processes, RunContext
         >>> import torch
         >>> pad_across_processes(RunContext(), torch.tensor([1, 2]))
         tensor([1, 2])
@@ -314,6 +318,7 @@ def gather_object(ctx: RunContext, obj: T) -> list[T]:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import gather_object, RunContext
         >>> gather_object(RunContext(), {"loss": 0.5})
         [{'loss': 0.5}]
     """
@@ -364,6 +369,7 @@ def broadcast_object(ctx: RunContext, obj: T, *, src: int = 0) -> T:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import broadcast_object, RunContext
         >>> broadcast_object(RunContext(), [1, 2])
         [1, 2]
     """

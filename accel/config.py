@@ -213,6 +213,18 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     return str(value)
 
 
+def parse_value(key: str, value: Any) -> Any:
+    """Validate one config key's value as a config file's is validated (`accel config` checks
+    each answer with it as it is typed).
+
+    Example:
+        >>> from accel.config import parse_value
+        >>> parse_value("mixed_precision", "no")
+        'fp32'
+    """
+    return _PARSERS[key](key, value)
+
+
 def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
     """Validate a mapping of config keys and return the `Config` it describes.
 
@@ -260,6 +272,7 @@ def default_config_path() -> Path:
         The path of the default config file.
 
     Example:
+        >>> from accel import default_config_path
         >>> default_config_path().name
         'default_config.yaml'
     """
@@ -295,6 +308,24 @@ def accelerate_config_path() -> Path:
     return Path(home) / "accelerate" / "default_config.yaml"
 
 
+def config_in_force(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """The config file `accel launch` reads: `explicit` (its --config_file) when given, else
+    accel's default file when it exists, else Accelerate's default file when it exists, else None
+    (the defaults apply).
+
+    Example:
+        >>> from accel.config import config_in_force
+        >>> config_in_force("my.yaml")
+        PosixPath('my.yaml')
+    """
+    if explicit is not None:
+        return Path(explicit)
+    for path in (default_config_path(), accelerate_config_path()):
+        if path.is_file():
+            return path
+    return None
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config file (accel's or Accelerate's).
 
@@ -315,6 +346,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             (DeepSpeed, TPU, ...).
 
     Example:
+        >>> from accel import load_config
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "c.yaml"
         >>> _ = p.write_text("num_processes: 2\\nmixed_precision: 'no'\\n")

@@ -52,6 +52,7 @@ class RunContext:
     only collectives need the process group.
 
     Example:
+        >>> from accel import RunContext
         >>> ctx = RunContext(rank=3, world_size=4, local_rank=3, local_world_size=4)
         >>> ctx.is_main, ctx.is_distributed
         (False, True)
@@ -284,6 +285,7 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
         ValueError: for an unknown `dim`.
 
     Example:
+        >>> from accel import along, Parallelism, RunContext
         >>> ctx = RunContext(rank=3, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
         >>> along(ctx, "tp").rank, along(ctx, "dp").rank, ctx.dp_size
         (1, 1, 2)

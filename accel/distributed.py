@@ -107,6 +107,7 @@ def init_distributed(
         RuntimeError: when a default process group already exists with another world size.
 
     Example:
+        >>> from accel import init_distributed
         >>> ctx = init_distributed(device="cpu")  # a plain python process
         >>> ctx.world_size, ctx.process_group is None
         (1, True)
@@ -228,6 +229,7 @@ def shutdown(ctx: RunContext) -> None:
         ctx: the context `init_distributed` returned (or one naming a sub-group to destroy).
 
     Example:
+        >>> from accel import init_distributed, shutdown
         >>> shutdown(init_distributed(device="cpu"))
     """
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
@@ -248,6 +250,7 @@ def wait_for_everyone(ctx: RunContext) -> None:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import RunContext, wait_for_everyone
         >>> wait_for_everyone(RunContext())
     """
     barrier(ctx, "wait_for_everyone")
@@ -271,6 +274,7 @@ def main_process_first(ctx: RunContext) -> Iterator[None]:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import main_process_first, RunContext
         >>> with main_process_first(RunContext()):
         ...     pass
     """
@@ -298,6 +302,7 @@ def on_main_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R
         returns its result there, and returns None on other ranks without calling it.
 
     Example:
+        >>> from accel import on_main_process, RunContext
         >>> @on_main_process(RunContext())
         ... def hello() -> str:
         ...     return "hi"
@@ -329,6 +334,7 @@ def run_on_main(ctx: RunContext, fn: Callable[..., R], *args: Any) -> R | None:
         What `fn` returned, on the main process; None on other ranks.
 
     Example:
+        >>> from accel import run_on_main, RunContext
         >>> run_on_main(RunContext(), max, 1, 2)
         2
     """
@@ -352,6 +358,7 @@ def any_rank(ctx: RunContext, flag: bool) -> bool:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import any_rank, RunContext
         >>> any_rank(RunContext(), False)
         False
     """
@@ -390,6 +397,7 @@ def split_between_processes(ctx: RunContext, items: T, *, pad: bool = False) -> 
             too).
 
     Example:
+        >>> from accel import RunContext, split_between_processes
         >>> ctx = RunContext(rank=1, world_size=2)
         >>> split_between_processes(ctx, ["a", "b", "c"])
         ['c']

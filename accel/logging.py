@@ -68,6 +68,7 @@ def get_logger(name: str, ctx: RunContext) -> RankLogger:
         `world_size > 1` messages start with `[rank r]`.
 
     Example:
+        >>> from accel import get_logger, RunContext
         >>> log = get_logger("train", RunContext(rank=1, world_size=2))
         >>> log.info("only rank 0 prints this")
         >>> log.warning("every rank prints this", main_process_only=False)

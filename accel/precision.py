@@ -49,7 +49,9 @@ def autocast(ctx: RunContext) -> contextlib.AbstractContextManager[Any]:
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from torch import nn
+    >>> from accel import autocast, RunContext
     >>> with autocast(RunContext.single(precision="bf16")):
     ...     y = nn.Linear(2, 2)(torch.ones(1, 2))
     >>> y.dtype
@@ -79,7 +81,7 @@ def make_scaler(ctx: RunContext) -> GradScaler | None:
 
     Example:
 
-    >>> from accel import RunContext
+    >>> from accel import make_scaler, RunContext
     >>> make_scaler(RunContext.single()) is None
     True
     >>> type(make_scaler(RunContext.single(precision="fp16"))).__name__
@@ -108,7 +110,8 @@ def scaled_backward(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from accel import RunContext, scaled_backward
     >>> w = torch.ones(2, requires_grad=True)
     >>> scaled_backward(RunContext.single(grad_accum_steps=2), (w * 3).sum())
     >>> w.grad
@@ -219,7 +222,8 @@ def optimizer_step(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from accel import optimizer_step, RunContext
     >>> w = torch.nn.Parameter(torch.ones(1))
     >>> opt = torch.optim.SGD([w], lr=0.5)
     >>> (2 * w).sum().backward()
@@ -278,7 +282,8 @@ def clip_grad_norm_(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from accel import clip_grad_norm_, RunContext
     >>> w = torch.nn.Parameter(torch.zeros(2))
     >>> w.grad = torch.tensor([3.0, 4.0])
     >>> clip_grad_norm_(RunContext.single(), [w], 1.0).item(), w.grad.norm().item() < 1.0
@@ -344,7 +349,8 @@ def clip_grad_value_(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> import torch
+    >>> from accel import clip_grad_value_, RunContext
     >>> w = torch.nn.Parameter(torch.zeros(2))
     >>> w.grad = torch.tensor([3.0, -0.5])
     >>> clip_grad_value_(RunContext.single(), [w], 1.0)

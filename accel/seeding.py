@@ -44,6 +44,7 @@ def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = 
         ValueError: for a seed that is not a non-negative int.
 
     Example:
+        >>> from accel import RunContext, set_seed
         >>> set_seed(0, ctx=RunContext(rank=1, world_size=2))
         1
     """
@@ -74,6 +75,8 @@ def get_rng_state() -> dict[str, Any]:
         stacked) when CUDA is in use; pass it to `set_rng_state`.
 
     Example:
+        >>> import torch
+        >>> from accel import get_rng_state, set_rng_state
         >>> state = get_rng_state()
         >>> a = torch.rand(1); set_rng_state(state); bool(torch.rand(1) == a)
         True
@@ -106,6 +109,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
             number of CUDA devices).
 
     Example:
+        >>> import numpy as np
+        >>> from accel import get_rng_state, set_rng_state
         >>> state = get_rng_state()
         >>> a = np.random.rand(); set_rng_state(state); bool(np.random.rand() == a)
         True

@@ -97,6 +97,7 @@ def log_metrics(
         ValueError: for a negative step, a tensor with several elements, or a reserved name.
 
     Example:
+        >>> from accel import JSONLTracker, log_metrics, RunContext
         >>> import tempfile, pathlib
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
         >>> with JSONLTracker(path) as tracker:
@@ -136,6 +137,7 @@ def log_hparams(
         RuntimeError: when a tracker already stored hyper-parameters (once per run).
 
     Example:
+        >>> from accel import JSONLTracker, log_hparams, RunContext
         >>> import json, tempfile, pathlib
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
         >>> with JSONLTracker(path) as tracker:
@@ -206,6 +208,7 @@ class JSONLTracker(_OnceTracker):
     rank is harmless; an existing file is appended to, which is what a resumed run wants.
 
     Example:
+        >>> from accel import JSONLTracker
         >>> import tempfile, pathlib
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run" / "metrics.jsonl"
         >>> tracker = JSONLTracker(path)
@@ -244,8 +247,8 @@ class JSONLTracker(_OnceTracker):
 
 _TENSORBOARD_MISSING = (
     "TensorBoardTracker needs the optional 'tensorboard' package, which is not installed. "
-    "Install it with `pip install 'accel[tensorboard]'` (or `pip install tensorboard`), or use "
-    "JSONLTracker."
+    "Install it with `pip install 'accel-train[tensorboard]'` (or `pip install tensorboard`), "
+    "or use JSONLTracker."
 )
 
 
@@ -260,6 +263,7 @@ class TensorBoardTracker(_OnceTracker):
         ImportError: when `tensorboard` is not installed, naming the extra to install.
 
     Example:
+        >>> from accel import TensorBoardTracker
         >>> import tempfile
         >>> tracker = TensorBoardTracker(tempfile.mkdtemp())
         >>> tracker.log({"loss": 0.5}, step=1)
@@ -392,6 +396,7 @@ def progress(
         same methods when tqdm is not installed.
 
     Example:
+        >>> from accel import progress, RunContext
         >>> ctx = RunContext(rank=1, world_size=2)
         >>> bar = progress(ctx, range(4), desc="steps")
         >>> sum(bar), bar.update(1)
@@ -403,7 +408,7 @@ def progress(
         if ctx.is_main:
             warnings.warn(
                 "progress: tqdm is not installed, so no progress bar is shown; install it with "
-                "`pip install 'accel[tqdm]'`.",
+                "`pip install 'accel-train[tqdm]'`.",
                 stacklevel=2,
             )
         return _SilentBar(iterable, None if total is None else int(total))

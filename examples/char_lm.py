@@ -7,13 +7,15 @@
 Each sample is a piece of one speech, so samples have different lengths: the loss is the mean
 over every real token of the global batch (`num_items_in_batch`), not a mean of batch means.
 Everything the run writes goes under --out: checkpoints/step-N (every --ckpt_every steps, the
-newest two kept) and metrics.jsonl. --resume continues from the newest complete checkpoint and
-ends with exactly the losses an uninterrupted run has.
+newest two kept), metrics.jsonl, loss.csv and the loss curve loss.png (with matplotlib, which the
+`dev` extra installs). --resume continues from the newest complete checkpoint and ends with
+exactly the losses an uninterrupted run has. At the end rank 0 prints a sample of generated text.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -69,6 +71,42 @@ def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     """Summed cross-entropy of each sample's real tokens, one value per sample."""
     logits = model(x).float()
     return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").sum(dim=1)
+
+
+def generate(model: nn.Module, prompt: str, length: int, device: torch.device) -> str:
+    """Sample `length` characters after `prompt` (temperature 0.8, a fixed seed)."""
+    ids = {c: i for i, c in enumerate(VOCAB)}
+    x = torch.tensor([[ids[c] for c in prompt]], device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(length):
+            probs = torch.softmax(model(x[:, -BLOCK:])[0, -1].float() / 0.8, dim=-1)
+            x = torch.cat([x, torch.multinomial(probs, 1, generator=g)[None]], dim=1)
+    return "".join(VOCAB[i] for i in x[0].tolist())
+
+
+def plot_losses(out: Path) -> str:
+    """Write loss.csv (and loss.png when matplotlib is installed) from metrics.jsonl."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step" in r]
+    (out / "loss.csv").write_text(
+        "step,train_loss,val_loss\n"
+        + "".join(f"{r['step']},{r['train_loss']},{r.get('val_loss', '')}\n" for r in rows)
+    )
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no loss.png, see loss.csv"
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], label="train")
+    val = [r for r in rows if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="optimizer step", ylabel="loss (nats per character)", title="char_lm")
+    ax.legend()
+    fig.savefig(out / "loss.png", dpi=100)
+    return f"loss curve: {out / 'loss.png'}"
 
 
 def main() -> None:
@@ -168,6 +206,10 @@ def main() -> None:
                 break
     if tracker is not None:
         tracker.close()
+        print(f"\noutputs in {args.out}/: checkpoints/, metrics.jsonl, loss.csv")
+        print(plot_losses(args.out))
+        sample = generate(accel.unwrap_model(model), "First Citizen:\n", 200, ctx.device)
+        print(f"generated sample:\n{sample}")
     accel.shutdown(ctx)
 
 

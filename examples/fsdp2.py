@@ -44,7 +44,10 @@ class Model(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(x)))
+        # One row per token: nn.Linear on a 3-D input returns a view of its 2-D result, and an
+        # FSDP2-wrapped module that returns a view draws a warning (in-place ops on it would skip
+        # the backward all-gather). The caller reshapes the plain 2-D logits.
+        return self.head(self.blocks(self.embed(x)).flatten(0, 1))
 
 
 def main() -> None:
@@ -72,7 +75,7 @@ def main() -> None:
     while step < args.steps:
         x = torch.randint(0, 64, (8, 32), generator=g).to(ctx.device)
         with accel.autocast(ctx):
-            logits = model(x)
+            logits = model(x).unflatten(0, x.shape)  # (batch, time, vocab)
         loss = F.cross_entropy(logits[:, 3:].float().flatten(0, 1), x[:, :-3].flatten())
         accel.scaled_backward(ctx, loss)
         norm = accel.clip_grad_norm_(ctx, model, 1.0)  # the global norm over all shards

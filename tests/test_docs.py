@@ -2,41 +2,64 @@
 
 The blocks of one file run in one subprocess (so torch is imported once per file), each in a
 fresh namespace and in a temporary working directory; a failure names the file and line.
+A python block followed by a ```` ```text output ```` block must print exactly that text: a
+documented output is what the code prints today. Other shown outputs are marked illustrative.
 """
 
 from __future__ import annotations
 
+import doctest
+import inspect
+import io
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.S | re.M)
 
+# Runs each block, records what it printed (also passed through), writes them to argv[3].
 RUNNER = """
-import json, sys, traceback
-blocks = json.load(open(sys.argv[1]))
+import contextlib, io, json, sys, traceback
+blocks, printed = json.load(open(sys.argv[1])), []
 for line, code in blocks:
+    out = io.StringIO()
     try:
-        exec(compile(code, f"{sys.argv[2]}:{line}", "exec"), {"__name__": "__docs__"})
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"{sys.argv[2]}:{line}", "exec"), {"__name__": "__docs__"})
     except BaseException:
         print(f"block at {sys.argv[2]}:{line} failed:\\n{traceback.format_exc()}", file=sys.stderr)
         sys.exit(1)
+    printed.append(out.getvalue())
+    sys.stdout.write(out.getvalue())
+json.dump(printed, open(sys.argv[3], "w"))
 """
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
+    return [(line, code) for line, code, _ in _blocks_and_outputs(page)]
+
+
+def _blocks_and_outputs(page: Path) -> list[tuple[int, str, str | None]]:
+    """Each python block (first line, code) and the ```text output block right after it."""
     text = page.read_text()
-    return [
-        (text.count("\n", 0, m.start()) + 2, m.group(2))
-        for m in FENCE.finditer(text)
-        if m.group(1) == "python"
-    ]
+    fences = list(FENCE.finditer(text))
+    found = []
+    for m, after in zip(fences, [*fences[1:], None], strict=True):
+        if m.group(1) != "python":
+            continue
+        follows = after is not None and not text[m.end() : after.start()].strip()
+        output = after is not None and follows and after.group(1, 2) == ("text", " output")
+        found.append(
+            (text.count("\n", 0, m.start()) + 2, m.group(3), after.group(3) if output else None)
+        )
+    return found
 
 
 def test_the_docs_have_code_to_run() -> None:
@@ -45,13 +68,19 @@ def test_the_docs_have_code_to_run() -> None:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
 def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
-    blocks = tmp_path / "blocks.json"
+    blocks, printed = tmp_path / "blocks.json", tmp_path / "printed.json"
     blocks.write_text(json.dumps(python_blocks(page)))
     run = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(blocks), str(page.relative_to(ROOT))],
+        [sys.executable, "-c", RUNNER, str(blocks), str(page.relative_to(ROOT)), str(printed)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
+    outputs = json.loads(printed.read_text())
+    for (line, _, expected), output in zip(_blocks_and_outputs(page), outputs, strict=True):
+        if expected is not None:
+            assert output == expected, (
+                f"{page.name}:{line} prints\n{output}\nnot the documented\n{expected}"
+            )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -63,15 +92,38 @@ def test_relative_links_resolve(page: Path) -> None:
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
-def test_api_reference_is_up_to_date() -> None:
+def _gen_api() -> Any:
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import gen_api
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    assert (ROOT / "docs" / "api.md").read_text() == gen_api.render(), (
+    return gen_api
+
+
+def test_api_reference_is_up_to_date() -> None:
+    assert (ROOT / "docs" / "api.md").read_text() == _gen_api().render(), (
         "docs/api.md is out of date: run `.venv/bin/python tools/gen_api.py`"
     )
+
+
+def _api_examples() -> list[tuple[str, str]]:
+    return [
+        (name, inspect.getdoc(obj) or "")
+        for entries in _gen_api()._entries().values()
+        for name, obj in entries
+        if ">>>" in (inspect.getdoc(obj) or "")
+    ]
+
+
+@pytest.mark.parametrize(("name", "doc"), _api_examples(), ids=lambda v: v if "\n" not in v else "")
+def test_api_example_runs_as_pasted(name: str, doc: str) -> None:
+    # A fresh namespace, as a new interpreter has: the example brings every import it needs
+    # (--doctest-modules runs the same examples with their module's names already in scope).
+    test = doctest.DocTestParser().get_doctest(doc, {}, name, None, 0)
+    out = io.StringIO()
+    result = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS).run(test, out=out.write)
+    assert result.failed == 0, out.getvalue()
 
 
 # Accelerate 1.x: the public methods and properties of `Accelerator`, and its big-model utilities.
@@ -113,3 +165,17 @@ def test_every_accel_name_the_docs_mention_exists() -> None:
             if name in {"testing", "cli"}:
                 continue
             assert hasattr(accel, name), f"{page.name} mentions accel.{name}, which does not exist"
+
+
+def test_every_benchmark_chart_is_drawn_from_a_table_and_linked() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import charts
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for chart in charts.CHARTS:
+        labels, values = charts.table(text, chart)
+        assert len(labels) > 1 and all(len(v) == len(labels) for v in values.values()), chart.name
+        assert f"](charts/{chart.name}.png)" in text, f"benchmarks.md does not show {chart.name}"
+        assert (ROOT / "docs" / "charts" / f"{chart.name}.png").is_file(), chart.name

@@ -53,6 +53,19 @@ def test_example_runs_on_two_processes(tmp_path: Path, name: str) -> None:
     result = accel_cli(tmp_path, "launch", "--num_processes", "2", str(EXAMPLES / name), *argv)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(expected, result.stdout + result.stderr), result.stdout + result.stderr
+    if name == "fsdp2.py":  # torch's FSDP2 warning about a module returning a view is avoided
+        assert "Warning" not in result.stderr, result.stderr
+    if name == "char_lm.py":  # the demo says where its outputs are and shows what it learned
+        assert "outputs in run/: checkpoints/, metrics.jsonl, loss.csv" in result.stdout
+        assert "generated sample:\nFirst Citizen:\n" in result.stdout
+        lines = (tmp_path / "run" / "loss.csv").read_text().splitlines()
+        assert lines[0] == "step,train_loss,val_loss" and len(lines) == 1 + 12
+        try:
+            import matplotlib  # noqa: F401  (the dev extra installs it)
+        except ImportError:
+            assert "matplotlib is not installed" in result.stdout
+        else:
+            assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_minimal_learns_in_one_process(tmp_path: Path) -> None:

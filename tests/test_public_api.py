@@ -32,6 +32,7 @@ PUBLIC_API = [
     "compute_module_sizes",
     "cpu_offload",
     "default_config_path",
+    "describe_device_map",
     "disk_offload",
     "dispatch_checkpoint",
     "find_executable_batch_size",

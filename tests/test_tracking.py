@@ -162,7 +162,7 @@ def test_tensorboard_event_file_reads_back(tmp_path: Path) -> None:
 def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     # As if tensorboard were not installed: importing torch.utils.tensorboard fails.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install 'accel\[tensorboard\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'accel-train\[tensorboard\]'"):
         TensorBoardTracker("unused")
 
 
@@ -200,6 +200,6 @@ def test_progress_gives_every_rank_a_bar_with_the_same_methods(
     _use_like_accelerate(progress(OTHER, range(3), total=3), range(3))
     monkeypatch.setitem(sys.modules, "tqdm", None)  # and when tqdm is not installed
     _use_like_accelerate(progress(OTHER, items), items)
-    with pytest.warns(UserWarning, match=r"tqdm is not installed.*accel\[tqdm\]"):
+    with pytest.warns(UserWarning, match=r"tqdm is not installed.*accel-train\[tqdm\]"):
         bar = progress(MAIN, items)
     _use_like_accelerate(bar, items)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from accel.big_model import _device_map as dm
-from accel.big_model import _planner
+from accel.big_model import _planner, _table
 from accel.big_model._hooks import remove_hooks
 from accel.big_model._offload import DiskTensor, check_writable, write_index, write_tensor
 from accel.big_model._planner import Device
@@ -26,6 +26,7 @@ from accel.big_model._planner import Device
 __all__ = [
     "compute_module_sizes",
     "cpu_offload",
+    "describe_device_map",
     "disk_offload",
     "dispatch_checkpoint",
     "infer_device_map",
@@ -296,6 +297,50 @@ def dispatch_checkpoint(
     _dispatch.hook(model, layout, device_map, sources, execution)
     object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
     return model
+
+
+def describe_device_map(
+    model: nn.Module,
+    *,
+    device_map: Mapping[str, Device] | None = None,
+    max_memory: Mapping[Device, int | str] | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> str:
+    """Return a device map as a Markdown table per device: modules, bytes, share of the budget.
+
+    Args:
+        model: the model the map places (its tensors give the bytes; meta tensors count).
+        device_map: default `model.hf_device_map`, the map `dispatch_checkpoint` chose.
+        max_memory: the budgets to compare with, as `infer_device_map` takes them; default what
+            this machine has free (the budgets a plan without `max_memory` gets).
+        dtype: count floating-point tensors at this dtype, as the plan did when given one.
+
+    Returns:
+        One row per device (accelerators, "cpu", "disk"), each with its module count and names,
+        their bytes, and that as a share of the device's budget ("no limit" for the disk).
+
+    Raises:
+        ValueError: the model has no `hf_device_map` and none is given; a bad `max_memory`.
+
+    Example:
+        >>> import torch, accel
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])  # 80 B each
+        >>> placed = {"0": "cpu", "1": "cpu", "2": "disk"}
+        >>> print(accel.describe_device_map(model, device_map=placed, max_memory={"cpu": 320}))
+        | device | modules | bytes | share of budget |
+        |---|---|---|---|
+        | cpu | 2: 0, 1 | 160 B | 50.0% of 320 B |
+        | disk | 1: 2 | 80 B | no limit |
+    """
+    fn = "describe_device_map"
+    chosen = device_map if device_map is not None else getattr(model, "hf_device_map", None)
+    if not isinstance(chosen, Mapping):
+        raise ValueError(
+            f"{fn}: device_map=None and the model has no hf_device_map; pass "
+            "device_map=infer_device_map(model, ...), or call dispatch_checkpoint first."
+        )
+    sizes = _planner.sizes(model, dm.as_dtype(fn, dtype))
+    return _table.render(chosen, sizes, dm.budgets(fn, max_memory))
 
 
 def cpu_offload(

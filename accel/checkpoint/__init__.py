@@ -107,6 +107,9 @@ def save_model(
             file, the partial files are removed and the folder's files are as they were.
 
     Example:
+        >>> from pathlib import Path
+        >>> from torch import nn
+        >>> from accel import RunContext, save_model
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
         >>> save_model(RunContext.single(), nn.Linear(2, 2), d)
@@ -188,6 +191,8 @@ def load_checkpoint_in_model(
             tensor the checkpoint does not hold.
 
     Example:
+        >>> from torch import nn
+        >>> from accel import load_checkpoint_in_model, RunContext, save_model
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
         >>> save_model(RunContext.single(), nn.Linear(2, 2, bias=False), d)
@@ -257,6 +262,10 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
             30 minutes).
 
     Example:
+        >>> import torch
+        >>> from pathlib import Path
+        >>> from torch import nn
+        >>> from accel import load_state, RunContext, save_state
         >>> import tempfile
         >>> d = Path(tempfile.mkdtemp()) / "state"
         >>> model = nn.Linear(2, 2)
@@ -295,6 +304,9 @@ def load_state(
             the manifest, or a model whose shapes or keys differ from the saved one.
 
     Example:
+        >>> import torch
+        >>> from pathlib import Path
+        >>> from accel import load_state, RunContext, save_state
         >>> import tempfile
         >>> d = Path(tempfile.mkdtemp()) / "state"
         >>> save_state(RunContext.single(), d, gen=torch.Generator().manual_seed(1))
@@ -339,6 +351,8 @@ def save_checkpoint(
         TypeError: for an object `save_state` cannot save.
 
     Example:
+        >>> from torch import nn
+        >>> from accel import latest_checkpoint, RunContext, save_checkpoint
         >>> import tempfile
         >>> root = tempfile.mkdtemp()
         >>> model = nn.Linear(2, 2)
@@ -387,6 +401,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     does not exist yet gives None, one that is a file raises NotADirectoryError.
 
     Example:
+        >>> from accel import latest_checkpoint
         >>> import tempfile
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 from importlib import metadata
 from typing import Any
 
 from accel import config as _config
+
+# The name accel is installed under (`pip install accel-train`); `import accel` is unchanged.
+DISTRIBUTION = "accel-train"
 
 
 def add_parser(commands: Any) -> None:
@@ -40,8 +42,10 @@ def _memory_gib() -> str:
 def report() -> str:
     import torch
 
+    import accel  # imported on use: `accel --help` should not pay for torch
+
     lines = [
-        f"- accel: {_version('accel')}",
+        f"- accel ({DISTRIBUTION}): {_version(DISTRIBUTION)}, imported from {accel.__file__}",
         f"- torch: {torch.__version__}",
         f"- Python: {platform.python_version()} ({platform.platform()})",
         *(f"- {p}: {_version(p)}" for p in ("numpy", "safetensors", "pyyaml")),
@@ -54,13 +58,16 @@ def report() -> str:
         props = torch.cuda.get_device_properties(i)
         lines.append(f"  - cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
     lines.append(f"- MPS available: {torch.backends.mps.is_available()}")
-    path = _config.default_config_path()
-    if path.is_file():
+    path = _config.config_in_force()  # the file `accel launch` reads, Accelerate's included
+    if path is not None:
         lines.append(f"- Config in force: {path}")
         config = _config.load_config(path)
-        lines += [f"  - {k}: {v}" for k, v in dataclasses.asdict(config).items()]
+        lines += [f"  - {k}: {v}" for k, v in _config.as_mapping(config).items()]
     else:
-        lines.append(f"- Config in force: none ({path} does not exist; defaults apply)")
+        lines.append(
+            f"- Config in force: none (neither {_config.default_config_path()} nor "
+            f"{_config.accelerate_config_path()} exists; defaults apply)"
+        )
     settings = {k: v for k, v in os.environ.items() if k.startswith("ACCEL_")}
     lines += [f"- {k}={v}" for k, v in sorted(settings.items())]
     return "\n".join(lines)

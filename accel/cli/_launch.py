@@ -115,11 +115,7 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
 
 def resolve_config(args: argparse.Namespace) -> _config.Config:
     """Merge the config file (explicit, else the default path if present) and the flags."""
-    path = args.config_file
-    if path is None and _config.default_config_path().is_file():
-        path = _config.default_config_path()
-    elif path is None and _config.accelerate_config_path().is_file():
-        path = _config.accelerate_config_path()  # a migrating user's `accelerate config` output
+    path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
     for name, *_ in _OVERRIDES:

@@ -81,6 +81,7 @@ def shard_loader(
 
     Example:
 
+    >>> from accel import RunContext, shard_loader
     >>> from torch.utils.data import DataLoader
     >>> ctx = RunContext(rank=1, world_size=2)
     >>> [b.tolist() for b in shard_loader(ctx, DataLoader(list(range(7)), batch_size=2))]
@@ -155,6 +156,7 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
 
     Example:
 
+    >>> from accel import gather_for_metrics, RunContext, shard_loader
     >>> from torch.utils.data import DataLoader
     >>> ctx = RunContext.single()
     >>> loader = shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))

@@ -56,6 +56,7 @@ class ShardPlan:
 
     Example:
 
+    >>> from accel import ShardPlan
     >>> plan = ShardPlan(rank=1, world_size=2, batch_size=2)
     >>> [b.indices for b in plan.shard([[0, 1], [2, 3], [4, 5], [6]])]
     [(2, 3), (6, 0)]

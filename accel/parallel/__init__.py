@@ -147,7 +147,8 @@ def wrap_model(
 
     Example:
 
-    >>> from accel import RunContext
+    >>> from torch import nn
+    >>> from accel import RunContext, unwrap_model, wrap_model
     >>> m = wrap_model(RunContext.single(), nn.Linear(2, 2))
     >>> unwrap_model(m).weight.device.type
     'cpu'
@@ -259,7 +260,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
     Example:
 
-    >>> from accel import RunContext
+    >>> from torch import nn
+    >>> from accel import RunContext, unwrap_model, wrap_model
     >>> inner = nn.Linear(2, 2)
     >>> unwrap_model(wrap_model(RunContext.single(), inner)) is inner
     True
@@ -287,6 +289,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
     Example:
 
+    >>> import torch
+    >>> from torch import nn
+    >>> from accel import check_optimizer
     >>> check_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
     """
     for group in optimizer.param_groups:

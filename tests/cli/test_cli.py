@@ -26,7 +26,7 @@ ranks = accel.gather_object(ctx, ctx.rank)
 with open(f"{sys.argv[1]}/{ctx.rank}.json", "w") as f:
     json.dump({"rank": ctx.rank, "world_size": ctx.world_size, "precision": ctx.precision,
                "grad_accum_steps": ctx.grad_accum_steps, "seen": ranks, "device": str(ctx.device),
-               "sources": dict(ctx.sources)}, f)
+               "sources": dict(ctx.sources), "describe": ctx.describe()}, f)
 accel.shutdown(ctx)
 """
 
@@ -34,6 +34,7 @@ accel.shutdown(ctx)
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "RANK", "WORLD"))}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")  # no user config leaks in
+    env["HF_HOME"] = str(tmp_path / "hf")  # nor Accelerate's, which `accel launch` also reads
     env["PYTHONPATH"] = str(REPO)
     return env
 
@@ -61,13 +62,16 @@ def script(tmp_path: Path) -> Path:
 def test_launch_two_processes_with_flags(tmp_path: Path, script: Path) -> None:
     out = accel_cli(
         tmp_path, "launch", "--num-processes", "2", "--mixed_precision", "bf16",
-        "--gradient-accumulation-steps", "4", str(script), str(tmp_path),
+        "--gradient-accumulation-steps", "4", "--seed", "7", str(script), str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     for rank, report in enumerate(_reports(tmp_path, 2)):
         assert (report["rank"], report["world_size"], report["seen"]) == (rank, 2, [0, 1])
         assert (report["precision"], report["grad_accum_steps"]) == ("bf16", 4)
         assert report["sources"]["precision"] == "env ACCEL_PRECISION"
+    # docs/cli.md shows what rank 0's ctx.describe() prints under this very command.
+    documented = (REPO / "docs" / "cli.md").read_text().split("rank 0 prints:\n\n```text\n")[1]
+    assert _reports(tmp_path, 1)[0]["describe"] + "\n" == documented.split("```")[0]
 
 
 def test_launch_reads_an_accelerate_config_file(tmp_path: Path, script: Path) -> None:
@@ -100,7 +104,7 @@ def test_config_default_and_truncated_answers(tmp_path: Path) -> None:
     target = tmp_path / "c.yaml"
     assert accel_cli(tmp_path, "config", "--default", "--config-file", str(target)).returncode == 0
     assert "num_processes: 1" in target.read_text()
-    out = accel_cli(tmp_path, "config", "--config_file", str(target), stdin="1\n")
+    out = accel_cli(tmp_path, "config", "--config_file", str(target), "--force", stdin="1\n")
     assert out.returncode == 2
     assert "input ended before 'How many processes in total?' was answered" in out.stderr
 
