@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def _as_timeout(value: float | timedelta | None) -> timedelta:
 
 def init_distributed(
     *,
-    precision: Precision | None = None,
+    precision: Precision | Literal["no"] | None = None,
     grad_accum_steps: int | None = None,
     parallelism: Parallelism | None = None,
     backend: Backend | None = None,
@@ -82,8 +82,8 @@ def init_distributed(
     which override the config file; `ctx.describe()` shows which won.
 
     Args:
-        precision: "fp32", "bf16" or "fp16" autocast; None takes the launcher's or config's,
-            else "fp32".
+        precision: "fp32", "bf16" or "fp16" autocast ("no", Accelerate's spelling, is
+            "fp32"); None takes the launcher's or config's, else "fp32".
         grad_accum_steps: micro-batches per optimizer step; None takes the launcher's or
             config's, else 1.
         parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the
@@ -119,6 +119,8 @@ def init_distributed(
             f"init_distributed: parallelism={parallelism!r} must be an accel.Parallelism, e.g. "
             "Parallelism(dp_shard=2, tp=2)."
         )
+    if precision == "no":  # Accelerator(mixed_precision="no")
+        precision = "fp32"
     arguments = {
         "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,
         "device": device, "parallelism": parallelism,
