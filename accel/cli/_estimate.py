@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
 
 import torch
 
@@ -12,18 +11,6 @@ import torch
 _DTYPES: tuple[tuple[str, float], ...] = (
     ("float32", 4), ("float16/bfloat16", 2), ("int8", 1), ("int4", 0.5)
 )  # fmt: skip
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "estimate-memory",
-        help="estimate a model's memory from its constructor, without allocating it",
-        description="Build the model on the meta device (no memory used) and report its size "
-        "per dtype, its largest layer, and Adam training memory (weights, gradients and two "
-        "moments in that dtype, as Accelerate estimates it; activations not included).",
-    )
-    parser.add_argument("model", help="'package.module:callable' returning an nn.Module")
-    parser.set_defaults(run=run)
 
 
 def _load(spec: str) -> torch.nn.Module:
