@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
-from accel._exit import die_with_parent, register_exit_guard
+from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._groups import barrier, comm_device, named_collective, require_group
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
@@ -216,6 +216,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
 
 def _destroy_default_group() -> None:
     if dist.is_initialized():
+        drain_gloo_workers()  # see shutdown
         dist.destroy_process_group()
 
 
@@ -234,6 +235,12 @@ def shutdown(ctx: RunContext) -> None:
     """
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
     if has_group and dist.is_initialized():
+        # The group's destructor joins gloo's worker threads while this thread holds the GIL;
+        # it runs here, or later when a DDP module still holding the group is freed (at a
+        # function's return, at exit). A worker still releasing the last collective's tensors
+        # needs the GIL: a deadlock, the process never exits. Let them finish first; after
+        # this call no collective gives them new work.
+        drain_gloo_workers()
         dist.destroy_process_group(ctx.process_group)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from accel._exit import register_exit_guard
+from accel._exit import drain_gloo_workers, register_exit_guard
 from accel._mesh import with_mesh
 from accel.context import Parallelism, RunContext
 
@@ -94,6 +94,7 @@ def _worker(
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():  # fn may have called accel.shutdown(ctx) itself
+            drain_gloo_workers()  # as accel.shutdown does, so the rank exits promptly
             dist.destroy_process_group()
     _write(out / f"{rank}.result", result)
 
