@@ -38,8 +38,11 @@ def record(err: BaseException, path: str | None) -> None:
         },
         "accel": {"time_ns": time.time_ns(), "summary": summary},
     }
-    with open(path, "w") as file:
-        json.dump(data, file)
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError as err:  # the script's own exception matters more; say why it is unrecorded
+        print(f"accel launch: could not record the error in {path}: {err}", file=sys.stderr)
 
 
 def _script_frames(tb: TracebackType | None) -> TracebackType | None:
