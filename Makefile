@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy accel
+	$(VENV)/bin/mypy accel accel_cli
 
 clean:
 	rm -rf $(VENV) build *.egg-info

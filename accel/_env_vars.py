@@ -42,8 +42,14 @@ def parse_precision(key: str, value: Any) -> Precision:
     return cast(Precision, text)
 
 
-def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """Return the RunContext settings found in `environ`, each with its source label."""
+def env_settings(
+    environ: Mapping[str, str], *, fn: str = "init_distributed"
+) -> dict[str, tuple[Any, str]]:
+    """Return the RunContext settings found in `environ`, each with its source label.
+
+    `fn` names the caller in errors: the workers' `init_distributed`, or `accel launch`, which
+    checks its own environment the same way before it starts them.
+    """
     found: dict[str, tuple[Any, str]] = {}
     if ENV_PRECISION in environ:
         found["precision"] = (
@@ -58,7 +64,7 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
                 number = int(environ[var])
             except ValueError:
                 raise ValueError(
-                    f"init_distributed: {var}={environ[var]!r} must be an integer."
+                    f"{fn}: {var}={environ[var]!r} must be an integer; set one or unset {var}."
                 ) from None
             found[name] = (number, f"env {var}")
     mesh_vars = {dim: var for dim, var in ENV_MESH.items() if var in environ}
@@ -68,27 +74,32 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             try:
                 sizes[dim] = int(environ[var])
             except ValueError:
+                sizes[dim] = 0  # refused below, naming the variable
+            if sizes[dim] < 1 and sizes[dim] != -1:
                 raise ValueError(
-                    f"init_distributed: {var}={environ[var]!r} must be an integer >= 1 or -1."
-                ) from None
+                    f"{fn}: {var}={environ[var]!r} must be an integer >= 1 or -1 (fill); set "
+                    f"a mesh size, e.g. {var}=2, or unset {var}."
+                )
         source = "env " + ", ".join(mesh_vars.values())
-        found["parallelism"] = (Parallelism(**sizes), source)
+        try:
+            found["parallelism"] = (Parallelism(**sizes), source)
+        except ValueError as err:  # two sizes of -1
+            raise ValueError(f"{fn}: {source.removeprefix('env ')}: {err}") from None
     fsdp_vars = sorted(k for k in environ if k.startswith(ENV_FSDP_PREFIX))
     if fsdp_vars:
-        found["fsdp"] = (_fsdp_from_env(environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
+        found["fsdp"] = (_fsdp_from_env(fn, environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
     if ENV_COMPILE in environ:
         text = environ[ENV_COMPILE].lower()
         if text not in ("false", "true", "regional"):
             raise ValueError(
-                f"init_distributed: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true "
-                "or regional."
+                f"{fn}: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true or regional."
             )
         mode = {"false": False, "true": True}.get(text, "regional")
         found["compile"] = (mode, f"env {ENV_COMPILE}")
     return found
 
 
-def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
+def _fsdp_from_env(fn: str, environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
     known = {f.name: f.type for f in fields(FSDPOptions)}
     values: dict[str, Any] = {}
     for var in names:
@@ -96,7 +107,7 @@ def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
         text = environ[var]
         if name not in known:
             raise ValueError(
-                f"init_distributed: {var} names no FSDPOptions field; expected "
+                f"{fn}: {var} names no FSDPOptions field; expected "
                 f"{ENV_FSDP_PREFIX}<one of {sorted(known)}> (upper case)."
             )
         if name == "layer_classes":
@@ -106,7 +117,7 @@ def _fsdp_from_env(environ: Mapping[str, str], names: list[str]) -> FSDPOptions:
         elif text.lower() in ("true", "false"):
             values[name] = text.lower() == "true"
         else:
-            raise ValueError(f"init_distributed: {var}={text!r} must be true or false.")
+            raise ValueError(f"{fn}: {var}={text!r} must be true or false.")
     return FSDPOptions(**values)
 
 

@@ -14,6 +14,11 @@ The guard registered here runs at exit, while the interpreter is still whole (af
 `init_distributed`'s own exit hook has destroyed the group it created): it lets gloo's worker
 threads finish whatever they were releasing before finalization begins. It waits only while
 one of them is runnable: a few milliseconds in practice.
+
+The same wait comes before a group is destroyed (`accel.shutdown`, that exit hook): the
+group's destructor joins the worker threads while holding the GIL, there or later when a DDP
+module holding the group is freed, and a thread still releasing a tensor waits for the GIL,
+so the process would never exit.
 """
 
 from __future__ import annotations

@@ -84,6 +84,11 @@ class Parallelism:
             >>> Parallelism(tp=-1).resolve(4).tp
             4
         """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise TypeError(
+                f"Parallelism.resolve: world_size={world_size!r} must be an int >= 1, the number "
+                "of processes. Pass ctx.world_size, e.g. Parallelism(tp=-1).resolve(4)."
+            )
         known = 1
         for size in self.sizes:
             known *= size if size != -1 else 1

@@ -405,6 +405,31 @@ def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     return found
 
 
+def check_launch_environment(config: Config) -> None:
+    """Check this launcher's `ACCEL_*` variables as `init_distributed` will read them in each
+    worker, so a bad value is refused before any process starts, as the same flag would be.
+
+    Raises:
+        ValueError: for a value `init_distributed` would refuse, mesh sizes that do not fill
+            `config.num_processes`, or mesh sizes that contradict the config's or flags'.
+    """
+    found = env_settings(os.environ, fn="accel launch")
+    if "parallelism" not in found:
+        return
+    sizes, source = found["parallelism"]
+    variables = source.removeprefix("env ")
+    configured = _parallel_settings(config)[0]
+    if configured is not None and configured != sizes:
+        raise ValueError(
+            f"accel launch: {variables} set the mesh to {sizes}, and the config or flags set "
+            f"{configured}; unset the variables, or drop the parallelism flags/config keys."
+        )
+    try:
+        sizes.resolve(config.num_processes)
+    except ValueError as err:
+        raise ValueError(f"accel launch: {variables}: {err}") from None
+
+
 def resolve_settings(
     arguments: Mapping[str, Any], environ: Mapping[str, str], config: Any
 ) -> dict[str, tuple[Any, str]]:

@@ -43,6 +43,19 @@ def _check_positive(name: str, value: Any) -> None:
         raise ValueError(f"RunContext: {name}={value!r} must be an int >= 1.")
 
 
+def _check_timeout(value: Any) -> None:
+    if value is not None and not isinstance(value, timedelta):
+        raise TypeError(
+            f"RunContext: timeout={value!r} must be a datetime.timedelta or None, e.g. "
+            "timeout=timedelta(minutes=10)."
+        )
+    if value is not None and value <= timedelta(0):
+        raise ValueError(
+            f"RunContext: timeout={value!r} must be positive (how long a collective may wait); "
+            "pass e.g. timeout=timedelta(minutes=10), or None for torch's default."
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunContext:
     """Configuration and topology of one process of a run. Immutable.
@@ -134,6 +147,7 @@ class RunContext:
                     "accel.Parallelism, e.g. Parallelism(dp_shard=2, tp=2)."
                 )
             object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
+        _check_timeout(self.timeout)
         if self.compile not in (False, True, "regional"):
             raise ValueError(
                 f"RunContext: compile={self.compile!r} must be False, True or 'regional'."
@@ -283,6 +297,7 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
 
     Raises:
         ValueError: for an unknown `dim`.
+        TypeError: when `ctx` is not a RunContext.
 
     Example:
         >>> from accel import along, Parallelism, RunContext
@@ -290,6 +305,11 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
         >>> along(ctx, "tp").rank, along(ctx, "dp").rank, ctx.dp_size
         (1, 1, 2)
     """
+    if not isinstance(ctx, RunContext):
+        raise TypeError(
+            f"along: ctx={ctx!r} must be a RunContext (from accel.init_distributed()), e.g. "
+            'along(ctx, "tp").'
+        )
     if dim not in ("dp", *MESH_DIMS):
         raise ValueError(
             f"along: dim={dim!r} is not a mesh dimension; expected one of {('dp', *MESH_DIMS)}."

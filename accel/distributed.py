@@ -14,14 +14,14 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
-from accel._exit import die_with_parent, register_exit_guard
+from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._groups import barrier, comm_device, named_collective, require_group
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
@@ -66,7 +66,7 @@ def _as_timeout(value: float | timedelta | None) -> timedelta:
 
 def init_distributed(
     *,
-    precision: Precision | None = None,
+    precision: Precision | Literal["no"] | None = None,
     grad_accum_steps: int | None = None,
     parallelism: Parallelism | None = None,
     backend: Backend | None = None,
@@ -82,8 +82,8 @@ def init_distributed(
     which override the config file; `ctx.describe()` shows which won.
 
     Args:
-        precision: "fp32", "bf16" or "fp16" autocast; None takes the launcher's or config's,
-            else "fp32".
+        precision: "fp32", "bf16" or "fp16" autocast ("no", Accelerate's spelling, is
+            "fp32"); None takes the launcher's or config's, else "fp32".
         grad_accum_steps: micro-batches per optimizer step; None takes the launcher's or
             config's, else 1.
         parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the
@@ -120,6 +120,8 @@ def init_distributed(
             f"init_distributed: parallelism={parallelism!r} must be an accel.Parallelism, e.g. "
             "Parallelism(dp_shard=2, tp=2)."
         )
+    if precision == "no":  # Accelerator(mixed_precision="no")
+        precision = "fp32"
     arguments = {
         "precision": precision, "grad_accum_steps": grad_accum_steps, "seed": seed,
         "device": device, "parallelism": parallelism,
@@ -215,6 +217,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
 
 def _destroy_default_group() -> None:
     if dist.is_initialized():
+        drain_gloo_workers()  # see shutdown
         dist.destroy_process_group()
 
 
@@ -234,6 +237,12 @@ def shutdown(ctx: RunContext) -> None:
     """
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
     if has_group and dist.is_initialized():
+        # The group's destructor joins gloo's worker threads while this thread holds the GIL;
+        # it runs here, or later when a DDP module still holding the group is freed (at a
+        # function's return, at exit). A worker still releasing the last collective's tensors
+        # needs the GIL: a deadlock, the process never exits. Let them finish first; after
+        # this call no collective gives them new work.
+        drain_gloo_workers()
         dist.destroy_process_group(ctx.process_group)
 
 

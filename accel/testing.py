@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from accel._exit import register_exit_guard
+from accel._exit import drain_gloo_workers, register_exit_guard
 from accel._mesh import with_mesh
 from accel.context import Parallelism, RunContext
 
@@ -41,12 +41,11 @@ class RemoteTraceback(Exception):
 
 
 def _worker(
-    fn: Callable[..., Any],
+    call: bytes,
     rank: int,
     world_size: int,
     port: int,
     timeout_s: float,
-    args: Sequence[Any],
     outdir: str,
     parallelism: Parallelism | None,
 ) -> None:
@@ -75,9 +74,19 @@ def _worker(
         backend="gloo", timeout=timeout, sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
+        # Unpickled here rather than by multiprocessing before this function runs, so a function
+        # the fresh interpreter cannot import is reported like any other error of the rank.
+        try:
+            fn, args = pickle.loads(call)
+        except Exception as err:
+            raise RuntimeError(
+                f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
+                "spawned rank imports fn by module and name: define it at the top level of a "
+                "module or script file (not in `python -c`, stdin or a notebook cell)."
+            ) from err
         if parallelism is not None:
             ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
-        result = fn(ctx, *args)
+        result = pickle.dumps(fn(ctx, *args))  # a result that cannot be pickled is an error too
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the
         # first rank to raise is the one with the earliest error record.
@@ -85,19 +94,28 @@ def _worker(
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():  # fn may have called accel.shutdown(ctx) itself
+            drain_gloo_workers()  # as accel.shutdown does, so the rank exits promptly
             dist.destroy_process_group()
-    _write(out / f"{rank}.result", pickle.dumps(result))
+    _write(out / f"{rank}.result", result)
 
 
 def _record_error(out: Path, rank: int) -> None:
     when, (kind, err, _) = time.monotonic_ns(), sys.exc_info()
     text = traceback.format_exc()
     try:
-        payload = pickle.dumps((when, err, text))
-    except Exception:  # the exception itself may not pickle; keep its text
-        name = kind.__name__ if kind else "Exception"
-        payload = pickle.dumps((when, RuntimeError(f"{name}: {err}"), text))
-    _write(out / f"{rank}.error", payload)
+        pickled = pickle.dumps(err)
+    except Exception:  # the exception itself may not pickle; its text is kept
+        pickled = b""
+    summary = f"{kind.__name__ if kind else 'Exception'}: {err}"
+    _write(out / f"{rank}.error", pickle.dumps((when, pickled, summary, text)))
+
+
+def _unpickle_error(pickled: bytes, summary: str) -> BaseException:
+    try:
+        err = pickle.loads(pickled) if pickled else None
+    except Exception:  # e.g. an exception class whose __init__ wants other arguments
+        err = None
+    return err if isinstance(err, BaseException) else RuntimeError(summary)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -146,13 +164,27 @@ def run_world(
         raise TypeError(f"run_world: timeout={timeout!r} must be a number of seconds, e.g. 60.")
     if not 0 < timeout < float("inf"):
         raise ValueError(f"run_world: timeout={timeout!r} must be a positive number of seconds.")
+    if parallelism is not None:
+        if not isinstance(parallelism, Parallelism):
+            raise TypeError(
+                f"run_world: parallelism={parallelism!r} must be an accel.Parallelism or None, "
+                "e.g. parallelism=Parallelism(tp=2)."
+            )
+        parallelism.resolve(world_size)  # sizes that cannot fill the world fail here, once
+    try:
+        call = pickle.dumps((fn, tuple(args)))
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(
+            f"run_world: fn={fn!r} (with its args) cannot be sent to the spawned ranks ({err}); "
+            "define fn at the top level of an importable module and pass picklable args."
+        ) from err
     spawn = mp.get_context("spawn")
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="accel-run-world-") as outdir:
         procs = [
             spawn.Process(
                 target=_worker,
-                args=(fn, rank, world_size, store.port, timeout, tuple(args), outdir, parallelism),
+                args=(call, rank, world_size, store.port, timeout, outdir, parallelism),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below
                 # kills what is left of every rank, children included.
@@ -207,9 +239,14 @@ def _join(procs: list[Any], timeout: float, outdir: Path) -> None:
 def _raise_rank_error(procs: list[Any], rank: int, outdir: Path) -> None:
     errors = sorted((*pickle.loads(f.read_bytes()), int(f.stem)) for f in outdir.glob("*.error"))
     if not errors:
+        code = procs[rank].exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         raise RuntimeError(
-            f"run_world: rank {rank} exited with code {procs[rank].exitcode} without raising "
-            "a Python exception (killed, or a crash in native code)."
+            f"run_world: rank {rank} {how} before it could report an error (a crash in native "
+            "code, a kill, or a failure while the spawned interpreter started: its traceback is "
+            "on stderr above; a script calling run_world must do so under "
+            "`if __name__ == '__main__':`)."
         )
-    _, err, text, first = errors[0]  # the earliest failure is the cause of the others
+    _, pickled, summary, text, first = errors[0]  # the earliest failure caused the others
+    err = _unpickle_error(pickled, summary)
     raise err from RemoteTraceback(f"rank {first} of {len(procs)} raised:\n{text}")

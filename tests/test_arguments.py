@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,25 @@ CASES: dict[str, tuple[Callable[[Path], Any], type[Exception], str]] = {
     "pad_dim_out_of_range_at_world_size_1": (
         lambda _: accel.pad_across_processes(CTX, torch.ones(2), dim=5), ValueError, "dim=5"
     ),
+    # Issue 29 item 7: each reached a bare Python error (or was accepted).
+    "run_world_parallelism_str": (
+        lambda _: run_world(print, world_size=2, parallelism="tp"), TypeError, "parallelism='tp'"
+    ),
+    "along_ctx_str": (lambda _: accel.along("x", "tp"), TypeError, "ctx='x'"),
+    "parallelism_resolve_world_size_str": (
+        lambda _: accel.Parallelism(tp=-1).resolve("4"), TypeError, "world_size='4'"
+    ),
+    "save_checkpoint_root_none": (
+        lambda _: accel.save_checkpoint(CTX, None, {"model": nn.Linear(2, 2)}, step=1),
+        TypeError, "root=None",
+    ),
+    "latest_checkpoint_root_none": (
+        lambda _: accel.latest_checkpoint(None), TypeError, "root=None"
+    ),
+    "run_context_negative_timeout": (
+        lambda _: RunContext(timeout=timedelta(seconds=-5)), ValueError,
+        f"timeout={timedelta(seconds=-5)!r}",
+    ),
 }  # fmt: skip
 
 
@@ -67,5 +87,14 @@ def test_a_bad_argument_is_named_with_its_value(tmp_path: Path, case: str) -> No
     with pytest.raises(kind, match=re.escape(named)) as info:
         call(tmp_path)
     message = str(info.value)
-    assert re.match(r"^[a-z_]+: ", message), f"the error does not name the call: {message}"
+    assert re.match(r"^[A-Za-z_.]+: ", message), f"the error does not name the call: {message}"
     assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_save_model_onto_a_file_names_it_and_leaves_it_alone(tmp_path: Path) -> None:
+    path = tmp_path / "weights"
+    path.write_bytes(b"the user's file")
+    with pytest.raises(NotADirectoryError, match=r"^save_model: directory=.*weights.*is a file"):
+        accel.save_model(CTX, nn.Linear(2, 2), path)
+    assert path.read_bytes() == b"the user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]

@@ -105,6 +105,12 @@ def test_init_distributed_as_plain_python(monkeypatch: pytest.MonkeyPatch, tmp_p
     shutdown(ctx)
 
 
+def test_init_distributed_reads_accelerates_no_as_fp32() -> None:
+    # docs/migration.md: Accelerator(mixed_precision="no") becomes precision="no" or "fp32".
+    ctx = init_distributed(device="cpu", precision="no")
+    assert (ctx.precision, ctx.sources["precision"]) == ("fp32", "argument")
+
+
 def test_init_distributed_rejects_a_bad_timeout() -> None:
     with pytest.raises(ValueError, match=r"timeout=-1 must be a positive number of seconds"):
         init_distributed(device="cpu", timeout=-1)

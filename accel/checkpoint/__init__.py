@@ -118,6 +118,7 @@ def save_model(
     """
     fn = "save_model"
     _check_model(fn, model)
+    directory = _atomic.as_folder(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     state = inner.state_dict()
@@ -370,7 +371,7 @@ def save_checkpoint(
         raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
-    root_path = Path(root)
+    root_path = _atomic.as_folder(fn, "root", root)
     final = root_path / f"step-{step}"
     _atomic.check_target(fn, final)
     root_path.mkdir(parents=True, exist_ok=True)
@@ -406,5 +407,5 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    complete = complete_steps(Path(root))
+    complete = complete_steps(_atomic.as_folder("latest_checkpoint", "root", root))
     return complete[-1][1] if complete else None

@@ -129,6 +129,23 @@ def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> tuple[int, in
     return len(data), zlib.crc32(data)
 
 
+def as_folder(fn: str, name: str, value: object) -> Path:
+    """`value` as a Path; a value that is not a path, or names a file, is refused by name."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{fn}: {name}={value!r} must be a folder path (str or os.PathLike); pass where the "
+            f"files go, e.g. {name}='checkpoints'."
+        )
+    path = Path(value)
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"{fn}: {name}={str(path)!r} cannot be a folder: {str(parent)!r} is a file; "
+                "accel will not replace it. Pass a folder path."
+            )
+    return path
+
+
 def check_target(fn: str, final: Path) -> bool:
     """Refuse a save over anything but an accel checkpoint; True when `final` is one to replace.
 

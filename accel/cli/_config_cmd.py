@@ -10,24 +10,6 @@ from typing import Any
 import yaml
 
 from accel import config as _config
-from accel.cli._args import add_flag
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "config",
-        help="write a launch config (interactive, or --default)",
-        description="Write a YAML config that `accel launch` reads. Questions are plain "
-        "prompts, so answers can be piped in; an empty answer takes the default shown, and an "
-        "answer that is not allowed is asked again.",
-    )
-    add_flag(parser, "config_file", default=None, help="where to write (default: see --show)")
-    parser.add_argument("--default", action="store_true", help="write defaults, ask nothing")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing config file")
-    parser.add_argument(
-        "--show", action="store_true", help="print the config `accel launch` uses, and its file"
-    )
-    parser.set_defaults(run=run)
 
 
 def _ask(question: str, default: Any, parse: Callable[[str], Any]) -> Any:

@@ -6,22 +6,11 @@ import argparse
 import os
 import platform
 from importlib import metadata
-from typing import Any
 
 from accel import config as _config
 
 # The name accel is installed under (`pip install accel-train`); `import accel` is unchanged.
 DISTRIBUTION = "accel-train"
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "env",
-        help="print versions, devices and config for bug reports",
-        description="Print accel, torch and Python versions, devices, memory, the config in "
-        "force and the ACCEL_* variables set, as Markdown to paste into a bug report.",
-    )
-    parser.set_defaults(run=run)
 
 
 def _version(package: str) -> str:

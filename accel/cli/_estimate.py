@@ -7,7 +7,6 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,23 +14,6 @@ import torch
 _DTYPES: tuple[tuple[str, float], ...] = (
     ("float32", 4), ("float16/bfloat16", 2), ("int8", 1), ("int4", 0.5)
 )  # fmt: skip
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "estimate-memory",
-        help="estimate a model's memory from its constructor, without allocating it",
-        description="Build the model on the meta device (no memory used) and report its size "
-        "per dtype, its largest layer, and Adam training memory (weights, gradients and two "
-        "moments in that dtype, as Accelerate estimates it; activations not included).",
-    )
-    parser.add_argument(
-        "model",
-        help="'package.module:callable' returning an nn.Module (imported as `python -m` would, "
-        "the current folder first), or a Hugging Face config.json or its folder (needs "
-        "transformers; nothing is downloaded)",
-    )
-    parser.set_defaults(run=run)
 
 
 def _first_line(err: BaseException) -> str:

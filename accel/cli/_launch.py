@@ -11,32 +11,17 @@ import argparse
 import dataclasses
 import functools
 import os
+import signal
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from accel import _accelerate_config, _env_vars
+from accel import _env_vars
 from accel import config as _config
-from accel.cli._args import add_flag
-
-# Flags that override a config key of the same name, and their types.
-_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
-    ("num_processes", int, "processes in total, over all machines"),
-    ("num_machines", int, "machines taking part"),
-    ("machine_rank", int, "this machine's index"),
-    ("main_process_ip", str, "address of machine 0 (the rendezvous host)"),
-    ("main_process_port", int, "rendezvous port; 0 picks a free one (one machine only)"),
-    ("rdzv_backend", str, "torchrun rendezvous backend: static or c10d"),
-    ("max_restarts", int, "how often the elastic agent restarts failed workers"),
-    ("monitor_interval", float, "seconds between the agent's checks on its workers"),
-    ("mixed_precision", str, "fp32 (or Accelerate's 'no'), bf16 or fp16"),
-    ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
-    ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
-    ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
-    ("seed", int, "base seed recorded in every process's RunContext"),
-)
+from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
@@ -44,55 +29,6 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
 # this has been seen to hang or fail a restart. With sharing off, rank 0's worker hosts a fresh
 # store every attempt. https://github.com/pytorch/pytorch/issues/135712
 _AGENT_ENVIRONMENT = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "launch",
-        help="run a script on every process of the run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_flag(parser, "config_file", default=None, help="YAML config (accel's or Accelerate's)")
-    for name, kind, text in _OVERRIDES:
-        add_flag(parser, name, type=kind, default=None, help=text)
-    parser.add_argument(
-        "--grad_accum_steps", "--grad-accum-steps", dest="gradient_accumulation_steps",
-        type=int, help=argparse.SUPPRESS,
-    )  # fmt: skip
-    add_flag(parser, "use_cpu", action="store_true", default=None, help="ignore GPUs")
-    _add_parallel_flags(parser)
-    add_flag(parser, "log_dir", default=None, help="write each worker's output under this folder")
-    add_flag(
-        parser, "tee", default=None, choices=("0", "1", "2", "3"),
-        help="also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
-    )  # fmt: skip
-    parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
-    parser.add_argument("script", help="the training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
-    parser.set_defaults(run=run)
-
-
-# Flags that fill Accelerate's nested sections, spelled as its `accelerate launch` flags.
-_SECTION_FLAGS = (
-    ("fsdp_config", _accelerate_config.FSDP_KEYS),
-    ("parallelism_config", _accelerate_config.PARALLELISM_KEYS),
-    ("dynamo_config", _accelerate_config.DYNAMO_KEYS),
-)
-
-
-def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    for section, keys in _SECTION_FLAGS:
-        for key in keys:
-            add_flag(parser, key, default=None, help=f"Accelerate's {section} key {key}")
-    add_flag(parser, "tp_size", type=int, default=None, help="tensor-parallel size")
-    add_flag(parser, "use_fsdp", action="store_true", default=None, help="shard with FSDP2")
-    add_flag(
-        parser, "use_parallelism_config", action="store_true", default=None,
-        help="accepted for Accelerate; the parallelism_config_* flags set the mesh",
-    )  # fmt: skip
-    add_flag(parser, "multi_gpu", action="store_true", default=None, help="distributed on GPUs")
-    add_flag(parser, "cpu", action="store_true", default=None, help="same as --use_cpu")
 
 
 def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> None:
@@ -104,7 +40,7 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
     if flag("cpu", None):
         merged["use_cpu"] = True
     overrides = {"parallelism_config_tp_size": flag("tp_size", None)}
-    for section, keys in _SECTION_FLAGS:
+    for section, keys in SECTION_FLAGS:
         values = dict(merged.get(section) or ())
         for key in keys:
             value = flag(key, None) if overrides.get(key) is None else overrides[key]
@@ -118,7 +54,7 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
     path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
-    for name, *_ in _OVERRIDES:
+    for name, *_ in LAUNCH_OVERRIDES:
         if getattr(args, name) is not None:
             merged[name] = getattr(args, name)
     if args.use_cpu:
@@ -184,11 +120,15 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
         argv += ["--log-dir", args.log_dir]
     if args.tee:
         argv += ["--tee", args.tee]
-    if args.module:
-        argv.append("--module")
-    elif not Path(args.script).is_file():
-        raise FileNotFoundError(f"script={args.script!r} does not exist.")
-    return [*argv, args.script, *args.script_args]
+    if not args.module and not Path(args.script).is_file():
+        raise FileNotFoundError(
+            f"script={args.script!r} does not exist in {os.getcwd()}; pass the path of the "
+            "training script (or -m with a module name)."
+        )
+    # Each worker runs the script through accel_cli._worker, which records an uncaught
+    # exception for failure_summary (and otherwise runs it as `python script.py` would).
+    script = ["-m", args.script] if args.module else [args.script]
+    return [*argv, "--module", "accel_cli._worker", *script, *args.script_args]
 
 
 def _free_port() -> int:
@@ -239,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     config = resolve_config(args)
+    _config.check_launch_environment(config)
     argv = torchrun_argv(config, args)
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
@@ -246,6 +187,39 @@ def run(args: argparse.Namespace) -> int:
     try:
         torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
-        print(f"accel launch: the script failed.\n{err}", file=sys.stderr)
+        print(failure_summary(err.failures), file=sys.stderr)
         return 1
     return 0
+
+
+def failure_summary(failures: Mapping[int, Any]) -> str:
+    """Which ranks failed, then (the last line) the rank that failed first and its exception.
+
+    `failures` are torchrun's `ProcessFailure`s by global rank. A rank that raised carries the
+    record accel_cli._worker wrote, timed to the nanosecond; ranks that only exited (or were
+    stopped by the agent once another failed) are ordered by when the agent saw them.
+    """
+
+    def record(failure: Any) -> dict[str, Any] | None:
+        data = failure.error_file_data.get("accel") if failure.error_file_data else None
+        return data if isinstance(data, dict) else None
+
+    def exit_text(code: int) -> str:
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    raised = {rank: f for rank, f in failures.items() if record(f) is not None}
+    exited = {rank: f for rank, f in failures.items() if f.exitcode > 0}
+    candidates = raised or exited or dict(failures)
+    rank, first = min(
+        candidates.items(),
+        key=lambda item: (record(item[1]) or {}).get("time_ns", item[1].timestamp * 10**9),
+    )
+    what = record(first)["summary"] if rank in raised else exit_text(first.exitcode)  # type: ignore[index]
+    ranks = ", ".join(f"{r} ({exit_text(f.exitcode)})" for r, f in sorted(failures.items()))
+    plural = "s" if len(failures) > 1 else ""
+    return (
+        f"accel launch: the script failed on rank{plural} {ranks}; its output is above.\n"
+        f"accel launch: rank {rank} failed first: {what}"
+    )

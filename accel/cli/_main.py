@@ -1,37 +1,44 @@
-"""The `accel` entry point: one parser, a subcommand per module."""
+"""Run a parsed `accel` command line: the subcommand's module is imported only when it runs."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from types import MappingProxyType
 
-from accel.cli import _config_cmd, _env, _estimate, _launch, _merge, _selftest
+from accel_cli import build_parser
 
 # Errors that mean "the user asked for something invalid", or a file or disk that cannot serve
 # it (OSError: a full disk, a file where a folder must be): reported in one line.
 _USER_ERRORS = (ValueError, OSError, NotImplementedError, EOFError)
+_MODULES = MappingProxyType(
+    {
+        "config": "_config_cmd",
+        "launch": "_launch",
+        "env": "_env",
+        "test": "_selftest",
+        "estimate-memory": "_estimate",
+        "merge-weights": "_merge",
+    }
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="accel",
-        description="Launch and inspect accel training runs (built on torch.distributed.run).",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (_config_cmd, _launch, _env, _selftest, _estimate, _merge):
-        module.add_parser(commands)
-    return parser
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand `args` was parsed for and return its exit code."""
+    module = importlib.import_module(f"accel.cli.{_MODULES[args.command]}")
+    try:
+        return int(module.run(args))
+    except _USER_ERRORS as err:
+        text = str(err).removeprefix(f"accel {args.command}: ")  # named once
+        print(f"accel {args.command}: error: {text}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `accel` command line and return its exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.run(args))
-    except _USER_ERRORS as err:
-        print(f"accel {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
+    return run(args)

@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from accel.cli import _launch
-from accel.cli._args import add_flag
-
-
-def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "test",
-        help="check collectives, a DDP step and a checkpoint round trip on the configured world",
-        description="Launch a short self-check on every process of the configured world (the "
-        "config in force, or --config_file, and --num_processes): a gather and a reduce, one "
-        "DDP step against the full-batch step, a safetensors round trip. Exits 1 on failure.",
-    )
-    add_flag(parser, "config_file", default=None, help="YAML config (default: the one in force)")
-    add_flag(parser, "num_processes", type=int, default=None, help="override the process count")
-    parser.set_defaults(run=run)
+from accel_cli import LAUNCH_OVERRIDES
 
 
 def run(args: argparse.Namespace) -> int:
     launch_args = argparse.Namespace(
-        **{name: None for name, *_ in _launch._OVERRIDES},
+        **{name: None for name, *_ in LAUNCH_OVERRIDES},
         config_file=args.config_file,
         use_cpu=None,
         log_dir=None,

@@ -40,11 +40,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def accel_cli(
-    tmp_path: Path, *argv: str, stdin: str | None = None
+    tmp_path: Path, *argv: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "accel", *argv], env=_env(tmp_path), input=stdin,
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [sys.executable, "-m", "accel", *argv], env={**_env(tmp_path), **(env or {})},
+        input=stdin, capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )  # fmt: skip
 
 
@@ -205,9 +205,9 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
 
 def test_missing_script_and_busy_port(tmp_path: Path) -> None:
     out = accel_cli(tmp_path, "launch", "--num_processes", "2", "nope.py")
-    assert (
-        out.returncode == 2
-        and out.stderr.strip() == "accel launch: error: script='nope.py' does not exist."
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"accel launch: error: script='nope.py' does not exist in {tmp_path}; pass the path of "
+        "the training script (or -m with a module name)."
     )
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -249,12 +249,13 @@ def test_estimate_memory_counts_tied_weights_once(tmp_path: Path) -> None:
 
 def test_torchrun_arguments_for_each_topology() -> None:
     args = argparse.Namespace(log_dir=None, tee=None, module=True, script="m", script_args=["--x"])
+    worker = ["--module", "accel_cli._worker"]  # runs the script, recording its exception
     # One machine, nothing to restart: static rendezvous on a free port (the quickest start).
     single = _launch.torchrun_argv(Config(num_processes=4), args)
     assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "4"]
     assert single[8:10] == ["--master-addr", "127.0.0.1"] and single[10] == "--master-port"
     assert 0 < int(single[11]) < 65536
-    assert single[-3:] == ["--module", "m", "--x"]
+    assert single[-5:] == [*worker, "-m", "m", "--x"]
     port = _free_port()
     fixed = _launch.torchrun_argv(Config(num_processes=2, main_process_port=port), args)
     assert fixed[8:12] == ["--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -356,7 +357,7 @@ def test_max_restarts_restarts_a_script_that_fails_once(tmp_path: Path) -> None:
 
 
 def test_every_flag_reaches_torchrun_in_either_spelling(tmp_path: Path) -> None:
-    from accel.cli._main import build_parser
+    from accel_cli import build_parser
 
     script = tmp_path / "s.py"
     script.write_text("")
@@ -367,7 +368,8 @@ def test_every_flag_reaches_torchrun_in_either_spelling(tmp_path: Path) -> None:
     argv = _launch.torchrun_argv(_launch.resolve_config(args), args)
     assert argv[:8] == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "3",
                         "--monitor-interval", "0.5"]  # fmt: skip
-    assert argv[-7:] == ["--log-dir", "L", "--tee", "1", str(script), "--lr", "3"]
+    assert argv[-9:] == ["--log-dir", "L", "--tee", "1", "--module", "accel_cli._worker",
+                         str(script), "--lr", "3"]  # fmt: skip
 
 
 def test_help_lists_every_subcommand_and_bad_tee_is_refused(tmp_path: Path) -> None:
@@ -387,3 +389,73 @@ def test_help_lists_every_subcommand_and_bad_tee_is_refused(tmp_path: Path) -> N
     assert script.returncode == 0 and script.stdout == top.stdout
     bad = accel_cli(tmp_path, "launch", "--tee", "7", "x.py")
     assert bad.returncode == 2 and "--tee" in bad.stderr and "invalid choice" in bad.stderr
+
+
+FIRST_FAILURE_SCRIPT = """
+import atexit, sys, time
+from pathlib import Path
+import accel
+ctx = accel.init_distributed()
+marker = Path(sys.argv[1]) / "rank1-raised"
+if ctx.rank == 1:
+    atexit.register(time.sleep, 20)  # exits last: the agent sees rank 0 fail first
+    marker.write_text("")
+    raise ValueError("boom on rank 1")
+while not marker.exists():
+    time.sleep(0.05)
+time.sleep(0.5)
+raise RuntimeError("rank 0 fails because rank 1 did")
+"""
+
+
+def test_the_last_line_of_a_failed_launch_names_the_rank_that_failed_first(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(FIRST_FAILURE_SCRIPT)
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), str(tmp_path))
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == "accel launch: rank 1 failed first: ValueError: boom on rank 1", lines[-8:]
+    assert "accel launch: the script failed on ranks 0 (exited with code 1), 1" in lines[-2]
+    # The tracebacks stay above, the script's own frames first (the runner's are not shown).
+    assert f'[rank1]:   File "{script}", line 10, in <module>' in lines, lines
+
+
+def test_help_and_usage_errors_do_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, accel_cli\n"
+        "for argv in (['--help'], ['launch', '--help'], ['launch', '--num_processes', 'x']):\n"
+        "    try:\n        accel_cli.main(argv)\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in ('torch', 'accel') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True,
+        timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_launch_help_groups_flags_as_accelerate_and_lists_each_once(tmp_path: Path) -> None:
+    text = accel_cli(tmp_path, "launch", "--help").stdout
+    titles = ["Hardware Selection Arguments:", "Resource Selection Arguments:",
+              "Training Paradigm Arguments:", "Distributed GPUs:",
+              "ParallelismConfig Arguments:"]  # fmt: skip
+    positions = [text.index(t) for t in titles]
+    assert positions == sorted(positions)
+    assert "--num_processes N" in text and "--num-processes N" not in text
+    assert "--fsdp_version" not in text  # as Accelerate: listed once --use_fsdp is given
+    with_fsdp = accel_cli(tmp_path, "launch", "--use_fsdp", "--help").stdout
+    assert "FSDP Arguments:" in with_fsdp and "--fsdp_version VALUE" in with_fsdp
+
+
+def test_launch_flags_cover_every_accelerate_section_key() -> None:
+    from accel import _accelerate_config
+    from accel_cli import SECTION_FLAGS
+
+    assert dict(SECTION_FLAGS) == {
+        "fsdp_config": _accelerate_config.FSDP_KEYS,
+        "parallelism_config": _accelerate_config.PARALLELISM_KEYS,
+        "dynamo_config": _accelerate_config.DYNAMO_KEYS,
+    }

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import random
 import socket
 import subprocess
@@ -370,6 +371,32 @@ def test_a_failing_rank_surfaces_its_traceback() -> None:
     assert isinstance(cause, RemoteTraceback)
     assert "rank 1 of 2 raised" in str(cause)
     assert "_raise_on_rank_1" in str(cause) and "ValueError: boom on rank 1" in str(cause)
+
+
+def _returns_a_lambda(ctx: RunContext) -> Any:
+    return lambda: ctx.rank  # cannot be pickled back to the parent
+
+
+def test_a_result_that_cannot_be_sent_back_is_the_rank_s_error() -> None:
+    # It used to be reported as "exited with code 1 without raising a Python exception".
+    with pytest.raises((AttributeError, pickle.PicklingError), match="pickle") as info:
+        run_world(_returns_a_lambda, world_size=1, timeout=120)
+    assert "rank 0 of 1 raised" in str(info.value.__cause__)
+
+
+def test_a_function_the_ranks_cannot_import_is_reported_with_its_traceback() -> None:
+    # Defined in `python -c`: a spawned interpreter cannot import it. The child raised, and
+    # run_world said it had exited "without raising a Python exception".
+    code = (
+        "from accel.testing import run_world\n"
+        "def fn(ctx):\n    return ctx.rank\n"
+        "run_world(fn, world_size=1, timeout=120)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: run_world: rank 0 could not import fn"), out.stderr
+    assert "rank 0 of 1 raised" in out.stderr and "Can't get attribute 'fn'" in out.stderr
 
 
 def _straggle(ctx: RunContext, tmp: str) -> int:

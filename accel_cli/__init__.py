@@ -1,0 +1,335 @@
+"""The `accel` command's parser and entry point, kept outside the `accel` package.
+
+`import accel` imports torch, which takes seconds; parsing a command line needs only argparse.
+So `accel --help`, `accel launch --help`, a mistyped flag or a bad value are answered here
+without importing torch, and only a command line that parses imports `accel.cli` to run it.
+Every usage error is one line naming the flag or value and the fix; a mistyped flag or command
+gets the closest match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+__all__ = ["LAUNCH_OVERRIDES", "SECTION_FLAGS", "build_parser", "main"]
+
+# `accel launch` flags that override a config key of the same name: name, type, metavar, help.
+LAUNCH_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
+    ("num_processes", int, "processes in total, over all machines"),
+    ("num_machines", int, "machines taking part"),
+    ("machine_rank", int, "this machine's index"),
+    ("main_process_ip", str, "address of machine 0 (the rendezvous host)"),
+    ("main_process_port", int, "rendezvous port; 0 picks a free one (one machine only)"),
+    ("rdzv_backend", str, "torchrun rendezvous backend: static or c10d"),
+    ("max_restarts", int, "how often the elastic agent restarts failed workers"),
+    ("monitor_interval", float, "seconds between the agent's checks on its workers"),
+    ("mixed_precision", str, "fp32 (or Accelerate's 'no'), bf16 or fp16"),
+    ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
+    ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
+    ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
+    ("seed", int, "base seed recorded in every process's RunContext"),
+)
+
+# Accelerate's nested config sections and the `accelerate launch` flags that fill them (the
+# keys accel._accelerate_config honours or refuses by name; a test keeps the two in step).
+SECTION_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fsdp_config", (
+        "fsdp_version", "fsdp_auto_wrap_policy", "fsdp_state_dict_type", "fsdp_use_orig_params",
+        "fsdp_forward_prefetch", "fsdp_backward_prefetch", "fsdp_cpu_ram_efficient_loading",
+        "fsdp_sharding_strategy", "fsdp_min_num_params", "fsdp_reshard_after_forward",
+        "fsdp_activation_checkpointing", "fsdp_offload_params", "fsdp_sync_module_states",
+        "fsdp_transformer_layer_cls_to_wrap",
+    )),
+    ("parallelism_config", (
+        "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+        "parallelism_config_cp_size", "parallelism_config_tp_size",
+        "parallelism_config_cp_comm_strategy",
+    )),
+    ("dynamo_config", (
+        "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+        "dynamo_use_regional_compilation",
+    )),
+)  # fmt: skip
+
+# `accel launch --help` groups its flags as `accelerate launch --help` does (same titles).
+_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("Hardware Selection Arguments", "Arguments for selecting the hardware to be used.",
+     ("cpu", "use_cpu", "multi_gpu")),
+    ("Resource Selection Arguments",
+     "Arguments for fine-tuning how available hardware should be used.",
+     ("mixed_precision", "num_processes", "num_machines", "num_cpu_threads_per_process",
+      *SECTION_FLAGS[2][1])),
+    ("Training Paradigm Arguments",
+     "Arguments for selecting which training paradigm to be used. `accel launch --use_fsdp "
+     "--help` also lists the FSDP arguments.",
+     ("use_fsdp", "use_parallelism_config")),
+    ("Distributed GPUs", "Arguments related to distributed training (GPUs or CPUs).",
+     ("gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "tee", "log_dir",
+      "rdzv_backend", "max_restarts", "monitor_interval")),
+    ("FSDP Arguments", "Arguments related to Fully Sharded Data Parallelism (FSDP2).",
+     SECTION_FLAGS[0][1]),
+    ("ParallelismConfig Arguments",
+     "Arguments related to the ParallelismConfig used for distributed training.",
+     (*SECTION_FLAGS[1][1], "tp_size")),
+    ("Training Settings (accel)", "Settings recorded in every process's RunContext.",
+     ("gradient_accumulation_steps", "seed")),
+)  # fmt: skip
+
+_FLAG_HELP = {
+    "cpu": "same as --use_cpu",
+    "use_cpu": "run on the CPU even when GPUs are present",
+    "multi_gpu": "distributed on GPUs",
+    "use_fsdp": "shard with FSDP2",
+    "use_parallelism_config": "accepted for Accelerate; parallelism_config_* flags set the mesh",
+    "tp_size": "tensor-parallel size",
+    "log_dir": "write each worker's output under this folder",
+    "tee": "also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
+}
+_SWITCHES = ("cpu", "use_cpu", "multi_gpu", "use_fsdp", "use_parallelism_config")
+_EXAMPLES = {"int": "2", "float": "0.5"}
+_METAVARS = {int: "N", float: "SECONDS"}
+_TYPE_NAMES = {"int": "a whole number", "float": "a number"}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Lists each flag once, in its underscore spelling (the hyphenated one works as well)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        strings = action.option_strings
+        underscored = [s for s in strings if not (s.startswith("--") and "-" in s[2:])]
+        if strings and underscored != strings:
+            action = argparse.Action(
+                underscored, action.dest, nargs=action.nargs, metavar=action.metavar
+            )
+        return super()._format_action_invocation(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line naming the flag and the fix."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # reported by the subcommand that was given them, with its own flags
+            chosen = next(
+                (sub for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                 for name, sub in a.choices.items() if name == getattr(parsed, "command", None)),
+                self,
+            )  # fmt: skip
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_explain(self, message)}\n")
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of `parser` and of its subcommands."""
+    found: list[str] = []
+    for action in parser._actions:
+        found += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _options(sub)
+    return found
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        name
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    ]
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _explain(parser: argparse.ArgumentParser, message: str) -> str:
+    """Rewrite an argparse message into one line naming the flag or value and the fix."""
+    lists = f"`{parser.prog} --help` lists them"
+    if match := re.match(r"unrecognized arguments: (.*)", message):
+        words = match.group(1).split()
+        flag = next((w for w in words if w.startswith("-")), None)
+        if flag is None:
+            return f"unexpected argument {words[0]!r}; `{parser.prog} --help` describes them."
+        name = flag.split("=")[0]
+        hint = _did_you_mean(name, _options(parser)) or f"; {lists}"
+        return f"{name} is not a flag of `{parser.prog}`{hint}"
+    if match := re.match(r"argument ([^:]+): invalid (\w+) value: (.*)", message):
+        flag = match.group(1).split("/")[0]
+        kind, value = match.group(2), match.group(3)
+        example = _EXAMPLES.get(kind, "VALUE")
+        what = _TYPE_NAMES.get(kind, f"a {kind}")
+        return f"{flag}={value} is not {what}; pass {what}, e.g. {flag} {example}."
+    if match := re.match(r"argument (\S+): invalid choice: (\S+) \(choose from (.*)\)", message):
+        flag, value, allowed = match.groups()
+        if flag == "COMMAND":
+            hint = _did_you_mean(value.strip("'"), _commands(parser)) or f"; {lists}"
+            return f"unknown command {value}{hint} (commands: {allowed})"
+        flag = flag.split("/")[0]
+        return f"{flag}={value} is not allowed (invalid choice); expected one of {allowed}."
+    if match := re.match(r"the following arguments are required: (.*)", message):
+        missing = match.group(1)
+        if missing.startswith("COMMAND"):
+            return f"no command given; expected one of {tuple(_commands(parser))}. {lists}."
+        if missing.startswith("script"):
+            return (
+                "no script given; pass the training script after the flags, e.g. "
+                f"`{parser.prog} --num_processes 2 train.py`."
+            )
+        return f"missing the argument {missing}; `{parser.prog} --help` describes it."
+    if match := re.match(r"argument ([^:]+): expected one argument", message):
+        return f"{match.group(1).split('/')[0]} needs a value; {lists} with their values."
+    return f"{message}; {lists}."
+
+
+def _add_flag(parser: Any, name: str, **options: Any) -> None:
+    """Add `--name_with_underscores` and its `--hyphenated-spelling` as one option."""
+    spellings = [f"--{name}"]
+    if "_" in name:
+        spellings.append(f"--{name.replace('_', '-')}")
+    parser.add_argument(*spellings, dest=name, **options)
+
+
+def _launch_flag(name: str) -> dict[str, Any]:
+    """The add_argument options of one `accel launch` flag."""
+    for override, kind, text in LAUNCH_OVERRIDES:
+        if name == override:
+            return {"type": kind, "help": text, "metavar": _METAVARS.get(kind, "VALUE")}
+    if name in _SWITCHES:
+        return {"action": "store_true", "help": _FLAG_HELP[name]}
+    if name == "tee":
+        return {"choices": ("0", "1", "2", "3"), "help": _FLAG_HELP[name]}
+    if name == "tp_size":
+        return {"type": int, "help": _FLAG_HELP[name], "metavar": "N"}
+    if name in _FLAG_HELP:
+        return {"help": _FLAG_HELP[name]}
+    section = next(s for s, keys in SECTION_FLAGS if name in keys)
+    return {"help": f"Accelerate's {section} key {name}"}
+
+
+def _add_launch(commands: Any, argv: Sequence[str]) -> None:
+    parser = commands.add_parser(
+        "launch",
+        help="run a script on every process of the run",
+        usage="%(prog)s [flags] script [script_args ...]",
+        description="Run a script on every process of the run through torch.distributed.run. "
+        "accel translates its flags and config file (accel's or Accelerate's YAML) into "
+        "torchrun's arguments and `ACCEL_*` variables for the workers; torchrun's elastic agent "
+        "does the spawning, restarts and rendezvous. Each flag may also be spelled with "
+        "hyphens (--num-processes).",
+        formatter_class=_HelpFormatter,
+    )
+    _add_flag(
+        parser, "config_file", default=None, metavar="FILE",
+        help="YAML config (accel's or Accelerate's)",
+    )  # fmt: skip
+    parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
+    show_fsdp = any(a in ("--use_fsdp", "--use-fsdp") for a in argv)
+    for title, description, names in _GROUPS:
+        # As `accelerate launch --help`: the FSDP flags are listed once --use_fsdp is given.
+        shown = title != "FSDP Arguments" or show_fsdp
+        group = parser.add_argument_group(title, description) if shown else parser
+        for name in names:
+            options = _launch_flag(name)
+            options.setdefault("metavar", None if "choices" in options else "VALUE")
+            if options.get("action") == "store_true":
+                del options["metavar"]
+            if not shown:
+                options["help"] = argparse.SUPPRESS
+            _add_flag(group, name, default=None, **options)
+    parser.add_argument(
+        "--grad_accum_steps", "--grad-accum-steps", dest="gradient_accumulation_steps",
+        type=int, help=argparse.SUPPRESS,
+    )  # fmt: skip
+    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _add_config(commands: Any) -> None:
+    config = commands.add_parser(
+        "config",
+        help="write a launch config (interactive, or --default)",
+        description="Write a YAML config that `accel launch` reads. Questions are plain "
+        "prompts, so answers can be piped in; an empty answer takes the default shown, and an "
+        "answer that is not allowed is asked again.",
+    )
+    _add_flag(config, "config_file", default=None, help="where to write (default: see --show)")
+    config.add_argument("--default", action="store_true", help="write defaults, ask nothing")
+    config.add_argument("--force", action="store_true", help="overwrite an existing config file")
+    config.add_argument(
+        "--show", action="store_true", help="print the config `accel launch` uses, and its file"
+    )
+
+
+def _add_others(commands: Any) -> None:
+    commands.add_parser(
+        "env",
+        help="print versions, devices and config for bug reports",
+        description="Print accel, torch and Python versions, devices, memory, the config in "
+        "force and the ACCEL_* variables set, as Markdown to paste into a bug report.",
+    )
+    selftest = commands.add_parser(
+        "test",
+        help="check collectives, a DDP step and a checkpoint round trip on the configured world",
+        description="Launch a short self-check on every process of the configured world (the "
+        "config in force, or --config_file, and --num_processes): a gather and a reduce, one "
+        "DDP step against the full-batch step, a safetensors round trip. Exits 1 on failure.",
+    )
+    _add_flag(selftest, "config_file", default=None, help="YAML config (default: the one in force)")
+    _add_flag(selftest, "num_processes", type=int, default=None, help="override the process count")
+    estimate = commands.add_parser(
+        "estimate-memory",
+        help="estimate a model's memory from its constructor, without allocating it",
+        description="Build the model on the meta device (no memory used) and report its size "
+        "per dtype, its largest layer, and Adam training memory (weights, gradients and two "
+        "moments in that dtype, as Accelerate estimates it; activations not included).",
+    )
+    estimate.add_argument(
+        "model",
+        help="'package.module:callable' returning an nn.Module (imported as `python -m` would, "
+        "the current folder first), or a Hugging Face config.json or its folder (needs "
+        "transformers; nothing is downloaded)",
+    )
+    merge = commands.add_parser(
+        "merge-weights",
+        help="merge a sharded (DCP) checkpoint into Hugging Face safetensors files",
+        description="Read the model of a save_state checkpoint of a sharded model (FSDP2, "
+        "tensor parallel), or a DCP folder, and write model.safetensors (or shards and an "
+        "index) with an accel manifest, in one process, one tensor in memory at a time.",
+    )
+    merge.add_argument("src", help="a save_state directory (or its dcp/ folder)")
+    merge.add_argument("dst", help="the folder to write the safetensors files into")
+    _add_flag(merge, "model", default=None, help="the name the model was saved under")
+    _add_flag(merge, "max_shard_size", default="5GB", help="most bytes per file (default 5GB)")
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of the `accel` command; `argv` decides which optional help groups show."""
+    parser = Parser(
+        prog="accel",
+        description="Launch and inspect accel training runs (built on torch.distributed.run).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_config(commands)
+    _add_launch(commands, argv)
+    _add_others(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `accel` command line and return its exit code."""
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
+    from accel.cli import run  # imports torch: only for a command line that parsed
+
+    return run(args)

@@ -1,0 +1,81 @@
+"""How `accel launch` runs the script in each worker: as `python script.py` (or `python -m`)
+would, but an uncaught exception is also written down for the launcher.
+
+torchrun's agent learns only exit codes, and when it noticed them (to the second), so when one
+rank raises and the others then fail in a collective, its "Root Cause" often names a rank that
+only failed because of the first. Here the exception is written, in torch's own error-file
+format, to the file the agent gives each worker (`$TORCHELASTIC_ERROR_FILE`), with the time to
+the nanosecond; `accel launch` then names the rank that raised first. Stdlib only: nothing is
+imported before the script that the script itself would not import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from types import TracebackType
+
+_OWN_FILES = (os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>")
+
+
+def record(err: BaseException, path: str | None) -> None:
+    """Write `err` where torchrun's agent reads a worker's error (nothing when `path` is None)."""
+    if not path:
+        return
+    summary = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    data = {
+        "message": {
+            "message": summary,
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(err)),
+                "timestamp": str(int(time.time())),
+            },
+        },
+        "accel": {"time_ns": time.time_ns(), "summary": summary},
+    }
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError as err:  # the script's own exception matters more; say why it is unrecorded
+        print(f"accel launch: could not record the error in {path}: {err}", file=sys.stderr)
+
+
+def _script_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the script's first frame on (this runner's and runpy's dropped)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+        tb = tb.tb_next
+    return tb
+
+
+def run(argv: Sequence[str]) -> None:
+    """Run `script args...`, or `-m module args...`, as the worker's main program."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])  # as `python script.py` gives it
+            sys.argv = [script, *argv[1:]]
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as err:
+        if err.code not in (None, 0):
+            record(err, error_file)
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:
+        record(err, error_file)
+        tb = _script_frames(err.__traceback__)
+        sys.excepthook(type(err), err.with_traceback(tb), tb)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
