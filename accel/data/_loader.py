@@ -24,9 +24,9 @@ from accel.data._shard_plan import (
     epoch_generator,
     is_torch_kind,
     sampler_indices,
-    worker_options,
 )
 from accel.data._stream import SplitStream, describe, open_stream, warn_reread
+from accel.data._workers import worker_options
 
 # Layout of the last batch each rank was given: (size, padding) per rank.
 Layout = tuple[tuple[int, int], ...]

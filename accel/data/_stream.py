@@ -35,8 +35,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from accel._groups import named_collective, require_group
 from accel.collectives import broadcast_object
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan, worker_options
+from accel.data._shard_plan import ShardPlan
 from accel.data._stream_dispatch import DispatchStream
+from accel.data._workers import worker_options
 
 SplitKind = Literal["datasets", "iter_shard", "shard"]
 DISPATCH_NEEDS_STREAM = (

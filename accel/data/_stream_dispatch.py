@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from accel._groups import global_rank, named_collective, require_group
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan, worker_options
+from accel.data._shard_plan import ShardPlan
+from accel.data._workers import worker_options
 
 
 class _Counted:
