@@ -5,9 +5,10 @@ rank: torch's own check (the worker's parent pid changed) never fires when the r
 and the workers hold the forkserver's "alive" pipe and the resource tracker's pipe open, so the
 forkserver, the tracker and the workers all outlive a rank killed with SIGKILL, indefinitely.
 `PR_SET_PDEATHSIG` does not help: it follows the parent (the forkserver). So every worker of a
-loader accel builds starts, before the user's `worker_init_fn`, a thread that waits for the
-rank's own process to end (a pidfd on Linux) and ends the worker with it; the forkserver and
-the tracker then see their pipes close and exit by themselves.
+loader accel builds whose parent is not the rank starts, before the user's `worker_init_fn`, a
+thread that waits for the rank's own process to end (a pidfd on Linux) and ends the worker with
+it; the forkserver and the tracker then see their pipes close and exit by themselves. (Workers
+started by fork or spawn are the rank's children, which torch's own check covers.)
 """
 
 from __future__ import annotations
@@ -57,10 +58,15 @@ class EndWithRank:
         self.rank_pid, self.init = rank_pid, init
 
     def __call__(self, worker_id: int) -> None:
-        watchdog = threading.Thread(
-            target=_exit_when_ended, args=(self.rank_pid,), name="accel-rank-watchdog", daemon=True
-        )
-        watchdog.start()
+        # A child of the rank itself (fork, spawn) is ended by torch's own check on its parent.
+        if os.getppid() != self.rank_pid:
+            watchdog = threading.Thread(
+                target=_exit_when_ended,
+                args=(self.rank_pid,),
+                name="accel-rank-watchdog",
+                daemon=True,
+            )
+            watchdog.start()
         if self.init is not None:
             self.init(worker_id)
 
