@@ -112,11 +112,22 @@ def pass_generator(loader: DataLoader[Any], seed: int, epoch: int, rank: int) ->
     return epoch_generator(seed, epoch, rank) if generator is None else generator
 
 
-class MapSource:
+class _PositionOnly:
+    """A source whose state is the loader's position alone (it can move to another world size)."""
+
+    state_is_per_rank = False
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        return None
+
+
+class MapSource(_PositionOnly):
     """A map-style dataset by `ShardPlan`: only this rank's indices are read."""
 
     ends_at_count = True
-    state_is_per_rank = False
 
     def __init__(self, loader: DataLoader[Any], plan: ShardPlan) -> None:
         self.loader, self.plan = loader, plan
@@ -180,24 +191,17 @@ class MapSource:
         table, i = self._yielded
         return tuple((len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table)
 
-    def state_dict(self) -> dict[str, Any] | None:
-        return None
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        return None
-
     def describe(self) -> str:
         return f"{plan_line(self.plan)}\nmap-style {type(self.loader.dataset).__name__}"
 
 
-class WholeStream:
+class WholeStream(_PositionOnly):
     """An iterable dataset that cannot split itself: every rank reads it whole in this process
     and keeps its slice of each chunk of world_size * batch_size samples (Accelerate's layout).
     """
 
     # Its count comes from the dataset's __len__, a promise the stream itself may not keep.
     ends_at_count = False
-    state_is_per_rank = False
 
     def __init__(self, loader: DataLoader[Any], plan: ShardPlan, reason: str) -> None:
         self.loader, self.plan, self.reason = loader, plan, reason
@@ -249,12 +253,6 @@ class WholeStream:
                 chunk += cycle
             if index >= position:
                 yield emit(chunk[:per_chunk], num_real)
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return None
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        return None
 
     def describe(self) -> str:
         return f"{plan_line(self.plan)}\n{self.reason}"
