@@ -93,7 +93,8 @@ def _bench_metrics(ctx: RunContext, iters: int) -> list[tuple[Any, ...]]:
     from torch.utils.data import DataLoader
 
     loader = shard_loader(ctx, DataLoader(list(range(64 * 2 * 4)), batch_size=64))
-    next(iter(loader))  # the layout gather_for_metrics reads: 64 real samples on every rank
+    live = iter(loader)  # held: a pass whose iterator is dropped is no longer current
+    next(live)  # the layout gather_for_metrics reads: 64 real samples on every rank
     rows = []
     cases: list[tuple[str, tuple[torch.Tensor, ...]]] = [
         ("gather_for_metrics: 64x10 logits", (torch.randn(64, 10),)),

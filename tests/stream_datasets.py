@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 
 
 def _log(folder: str | None, sample: int) -> None:
@@ -88,6 +88,44 @@ class PlainStream(IterableDataset[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
+
+
+def _mark_worker(folder: str) -> None:
+    """Record that this process (a DataLoader worker) has started reading: `worker-<pid>`."""
+    marker = Path(folder, f"worker-{os.getpid()}")
+    if not marker.exists():
+        marker.write_text(str(os.getppid()))
+
+
+class EndlessStream(IterableDataset[int]):
+    """A stream that splits itself and never ends; each worker marks its pid in `folder`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def iter_shard(self, num_shards: int, index: int) -> Iterator[int]:
+        _mark_worker(self.folder)
+        i = index
+        while True:
+            yield i
+            i += num_shards
+
+    def __iter__(self) -> Iterator[int]:
+        return self.iter_shard(1, 0)
+
+
+class MarkedRange(Dataset[int]):
+    """range(n) as a map-style dataset; each worker marks its pid in `folder`."""
+
+    def __init__(self, n: int, folder: str) -> None:
+        self.n, self.folder = n, folder
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        _mark_worker(self.folder)
+        return index
 
 
 def write_json_shards(folder: Path, sizes: list[int]) -> list[str]:

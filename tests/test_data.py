@@ -136,7 +136,7 @@ def _collect(ctx: RunContext, loader: accel.ShardedLoader) -> tuple[list[list[in
     batches, layouts = [], []
     for batch in loader:
         batches.append(batch.tolist())
-        layouts.append(loader._layout)
+        layouts.append(loader.layout)
     return batches, layouts
 
 
@@ -334,7 +334,8 @@ def test_gather_for_metrics_single_process_and_errors() -> None:
     with pytest.raises(ValueError, match="loop over the loader has ended"):
         accel.gather_for_metrics(ctx, torch.tensor([0.5]), loader=loader)
     assert accel.gather_for_metrics(ctx, [], loader=loader) == []
-    next(iter(loader))
+    live = iter(loader)  # a pass whose iterator is dropped is no longer current (issue 29)
+    next(live)
     with pytest.raises(ValueError, match=r"use accel\.reduce"):
         accel.gather_for_metrics(ctx, torch.tensor(0.5), loader=loader)
     with pytest.raises(TypeError, match="is not a ShardedLoader"):
@@ -544,3 +545,79 @@ def test_seed_gives_accelerates_seedable_sampler_order_every_epoch(seed: int) ->
                 RandomSampler(range(10), generator=torch.Generator().manual_seed(seed + epoch))
             )
             assert [i for b in loader for i in b.tolist()] == expected, (seed, epoch)
+
+
+# -- what a prepared DataLoader exposes (issue 29 item 11) -------------------------------------
+
+LOADER_ATTRIBUTES = (
+    "dataset",
+    "batch_size",
+    "sampler",
+    "batch_sampler",
+    "num_workers",
+    "collate_fn",
+    "drop_last",
+    "pin_memory",
+    "pin_memory_device",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+)
+
+
+def _collate_sum(samples: list[int]) -> torch.Tensor:
+    return torch.tensor([sum(samples)])
+
+
+def _init_worker(worker_id: int) -> None:
+    del worker_id
+
+
+@pytest.mark.parametrize("kind", ["map", "batch_sampler", "stream"])
+def test_the_dataloader_attributes_scripts_read_are_the_users_and_read_only(kind: str) -> None:
+    if kind == "map":
+        base = DataLoader(
+            list(range(10)),
+            batch_size=3,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=_collate_sum,
+            worker_init_fn=_init_worker,
+            generator=torch.Generator().manual_seed(1),
+        )
+    elif kind == "batch_sampler":
+        base = DataLoader(list(range(10)), batch_sampler=[[0, 1], [2, 3, 4], [5]])
+    else:
+        base = DataLoader(Stream(7), batch_size=2)
+    loader = accel.shard_loader(RunContext(rank=1, world_size=2), base)
+    for name in LOADER_ATTRIBUTES:
+        assert getattr(loader, name) is getattr(base, name), name
+        with pytest.raises(AttributeError, match=rf"ShardedLoader\.{name} is read-only"):
+            setattr(loader, name, None)
+    # Accelerate's examples/by_feature/multi_process_metrics.py reads the dataset's length
+    if kind != "stream":
+        assert len(loader.dataset) == len(base.dataset)  # type: ignore[arg-type]
+
+
+# -- gather_for_metrics with a loader that did not yield the batch (issue 29 item 12) ---------
+
+
+def test_gathering_with_a_loader_whose_pass_was_left_raises_naming_the_fix() -> None:
+    ctx = RunContext.single()
+    train = accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=4))
+    for k, _ in enumerate(train):
+        if k == 1:
+            break  # the training pass is left in its middle
+    evaluation = accel.shard_loader(ctx, DataLoader(list(range(37)), batch_size=4))
+    for batch in evaluation:  # every batch, the first (whose size matches train's) included
+        with pytest.raises(RuntimeError, match=r"^gather_for_metrics: loader=.* left its pass"):
+            accel.gather_for_metrics(ctx, batch, loader=train)
+    # the loader that yielded the batch still gathers it, and a new pass of train is current
+    gathered = [accel.gather_for_metrics(ctx, b, loader=evaluation) for b in evaluation]
+    assert torch.cat(gathered).tolist() == list(range(37))
+    live = iter(train)
+    first = next(live)
+    assert accel.gather_for_metrics(ctx, first, loader=train).tolist() == first.tolist()

@@ -10,6 +10,10 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from torch.utils.data import DataLoader
 
 import accel
 from accel import RunContext
+from tests.processes import alive, descendants
 from tests.stream_datasets import (
     GenStream,
     PlainStream,
@@ -328,3 +333,55 @@ def test_a_datasets_stream_the_user_split_already_is_not_split_twice(tmp_path: P
     other = split_dataset_by_node(hf_stream(paths, str(tmp_path / "cache")), rank=0, world_size=4)
     with pytest.raises(ValueError, match=r"split for rank=0, world_size=4 .* rank 1 of 2"):
         accel.shard_loader(ctx, DataLoader(other, batch_size=2))
+
+
+# -- a killed rank takes its DataLoader workers with it (issue 29 item 5) ----------------------
+
+_RANK = """
+import os, sys, time
+from torch.utils.data import DataLoader
+import accel
+from tests.stream_datasets import EndlessStream, MarkedRange
+
+folder, kind = sys.argv[1], sys.argv[2]
+dataset = EndlessStream(folder) if kind == "stream" else MarkedRange(1000, folder)
+base = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="forkserver")
+loader = accel.shard_loader(accel.RunContext.single(), base)
+batches = iter(loader)
+next(batches)
+next(batches)  # the second batch comes from the second worker
+open(os.path.join(folder, "ready"), "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stream", "map"])
+def test_a_rank_killed_with_sigkill_leaves_no_forkserver_worker_behind(
+    tmp_path: Path, kind: str
+) -> None:
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": str(root)}
+    rank = subprocess.Popen([sys.executable, "-c", _RANK, str(tmp_path), kind], cwd=root, env=env)
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and rank.poll() is None:
+            assert time.monotonic() < deadline, "the rank did not read its first batches"
+            time.sleep(0.1)
+        assert rank.poll() is None, f"the rank exited with {rank.returncode}"
+        workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+        tree = descendants(rank.pid)  # forkserver, resource tracker, the workers below them
+        assert len(workers) == 2 and set(workers) <= set(tree), (workers, tree)
+        rank.send_signal(signal.SIGKILL)
+        rank.wait()
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in tree if alive(p)]
+        assert not left, f"processes of the killed rank's tree outlived it: {left} of {tree}"
+    finally:
+        for pid in [rank.pid, *tree]:  # a failed run leaves nothing behind either
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        rank.wait()

@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from accel._tree import flatten, unflatten
 from accel.collectives import gather_leaves, gather_parts, pad_tensor
 from accel.context import RunContext, along
-from accel.data._loader import Layout, ShardedLoader
+from accel.data._loader import ShardedLoader
 from accel.data._shard_plan import ShardBatch, ShardPlan
+from accel.data._source import Layout
 from accel.data._stream import DISPATCH_NEEDS_STREAM
 from accel.seeding import check_seed
 
@@ -152,7 +153,9 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             other objects.
         ValueError: for a leaf whose dim 0, or a list whose length, is not this rank's batch
             size, or results passed by a rank whose pass has ended.
-        RuntimeError: before the loader has yielded a batch, or when the collective fails.
+        RuntimeError: before the loader has yielded a batch, when its last pass was left
+            before its end (the batch then came from another loader, or from no current pass),
+            or when the collective fails.
 
     Example:
 
@@ -171,10 +174,17 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             f"{fn}: loader={type(loader).__name__} is not a ShardedLoader; pass "
             "the loader returned by shard_loader, which knows which samples are repeats."
         )
+    if loader.pass_left:  # on every rank alike, so before any collective
+        raise RuntimeError(
+            f"{fn}: loader=ShardedLoader over {type(loader.dataset).__name__} left its pass "
+            "before its end (a loop over it ended with break), so the batch being gathered was "
+            "not yielded by its current pass and its layout does not apply; pass loader= the "
+            "ShardedLoader the loop iterates (e.g. loader=eval_loader), inside that loop."
+        )
     ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
-    if loader._pass_over:  # past this rank's last batch: others are in a round it has no part in
+    if loader.pass_ended:  # past this rank's last batch: others are in a round it has no part in
         return _join_without_batch(ctx, tree, loader)
-    layout = loader._layout
+    layout = loader.layout
     if not layout:
         raise RuntimeError(
             f"{fn}: the loader has not yielded a batch yet; call it inside the "
@@ -235,7 +245,7 @@ def _join_without_batch(ctx: RunContext, tree: Any, loader: ShardedLoader) -> An
     """Take part in a round this rank has no batch in: contribute nothing, get the others'."""
     leaves = flatten(tree)[0]
     passed = [x for x in leaves if not (isinstance(x, torch.Tensor) and x.ndim and not len(x))]
-    out = gather_parts(ctx, None, loader._device) if loader.plan.world_size > 1 else []
+    out = gather_parts(ctx, None, loader.device) if loader.plan.world_size > 1 else []
     if passed:  # after the collective, so the other ranks are not left waiting
         raise ValueError(
             "gather_for_metrics: this rank's loop over the loader has ended, so it has no batch "

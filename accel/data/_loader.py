@@ -1,35 +1,41 @@
 """`ShardedLoader`: this rank's batches of a DataLoader, an epoch at a time, resumable.
 
-Map-style datasets follow `ShardPlan` (Accelerate's layout); iterable datasets either split
-themselves (`accel.data._stream`) or are read whole by every rank, each keeping its slice.
+The loader keeps the epoch, the position, the resume and the device placement; what it reads
+comes from one `BatchSource` (`accel.data._source`): map-style data, a whole stream, a split
+stream or a dispatched stream.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    IterableDataset,
-)
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from accel._tree import send_to_device
 from accel.context import RunContext, along
-from accel.data._shard_plan import (
-    ShardBatch,
-    ShardPlan,
-    epoch_generator,
-    is_torch_kind,
-    sampler_indices,
-    worker_options,
-)
-from accel.data._stream import SplitStream, describe, open_stream, warn_reread
+from accel.data._shard_plan import ShardPlan
+from accel.data._source import BatchSource, Layout, MapSource
+from accel.data._stream import open_stream
 
-# Layout of the last batch each rank was given: (size, padding) per rank.
-Layout = tuple[tuple[int, int], ...]
+
+class _FromUserLoader:
+    """A read-only attribute of the user's DataLoader, as a prepared DataLoader exposes it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: ShardedLoader | None, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.loader, self.name)
+
+    def __set__(self, obj: ShardedLoader, value: object) -> NoReturn:
+        raise AttributeError(
+            f"ShardedLoader.{self.name} is read-only: it is the {self.name} of the DataLoader "
+            "given to shard_loader. Build a DataLoader with the setting you want and call "
+            "shard_loader again."
+        )
 
 
 class ShardedLoader:
@@ -40,8 +46,33 @@ class ShardedLoader:
     does; only the first one after `load_state_dict` resumes mid-epoch. `set_epoch(e)` chooses
     the epoch (the order is a function of seed and epoch); once a pass has yielded its last
     batch the epoch advances by itself. `padding` is how many samples of the batch just yielded
-    repeat earlier ones (0 except in the last round with even_batches on several processes).
+    repeat earlier ones: 0 except in the last round with even_batches on several processes,
+    where the ranks after the last real sample pad (with a split stream, the ranks whose part
+    has ended); the repeats always sit at the end of the batch.
+
+    The attributes a script reads on a prepared DataLoader are those of the DataLoader given to
+    `shard_loader`, read-only: `dataset`, `batch_size`, `sampler`, `batch_sampler`,
+    `num_workers`, `collate_fn`, `drop_last`, `pin_memory`, `pin_memory_device`, `timeout`,
+    `worker_init_fn`, `multiprocessing_context`, `generator`, `prefetch_factor` and
+    `persistent_workers` (so `len(loader.dataset)` is the whole dataset's length, as in
+    Accelerate).
     """
+
+    dataset = _FromUserLoader()
+    batch_size = _FromUserLoader()
+    sampler = _FromUserLoader()
+    batch_sampler = _FromUserLoader()
+    num_workers = _FromUserLoader()
+    collate_fn = _FromUserLoader()
+    drop_last = _FromUserLoader()
+    pin_memory = _FromUserLoader()
+    pin_memory_device = _FromUserLoader()
+    timeout = _FromUserLoader()
+    worker_init_fn = _FromUserLoader()
+    multiprocessing_context = _FromUserLoader()
+    generator = _FromUserLoader()
+    prefetch_factor = _FromUserLoader()
+    persistent_workers = _FromUserLoader()
 
     def __init__(
         self,
@@ -61,45 +92,18 @@ class ShardedLoader:
         self._device = ctx.device if device_placement and ctx.device.type != "cpu" else None
         self._non_blocking = non_blocking
         self._seed = seed
-        self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch = 0
         self.position = 0  # batches yielded in this epoch
         self._resume = False  # load_state_dict: the next iter() continues from `position`
-        self._pass_over = False  # the last pass ran out: this rank has no current batch
-        # map-style: the epoch's plan for every rank and the index of the last yielded batch
-        self._yielded: tuple[list[list[ShardBatch]], int] | None = None
-        self._chunk_layout: Layout = ()  # iterable: layout of the last yielded chunk
-        self._table: tuple[int, list[list[ShardBatch]]] | None = None
-        # Iterable streams that split, or are dispatched, go to accel.data._stream; others below.
-        # They talk over the data-parallel group: tensor-parallel peers read the same part.
-        dp = along(ctx, "dp")
-        opened = open_stream(dp, loader, plan, dispatch_batches) if self._iterable else None
-        self._stream, self._stream_reason = opened or (None, "")
-
-    # -- the plan for an epoch ---------------------------------------------------------------
-
-    def _underlying_batches(self, epoch: int) -> list[list[int]]:
-        loader = self.loader
-        batch_sampler = loader.batch_sampler
-        if batch_sampler is None:  # batch_size=None: every sample is its own "batch"
-            return [[i] for i in sampler_indices(loader.sampler, epoch, self._seed)]
-        if is_torch_kind(batch_sampler, BatchSampler):
-            indices = sampler_indices(batch_sampler.sampler, epoch, self._seed)
-            size = batch_sampler.batch_size
-            batches = [indices[i : i + size] for i in range(0, len(indices), size)]
-            if batch_sampler.drop_last and batches and len(batches[-1]) < size:
-                batches.pop()
-            return batches
-        if hasattr(batch_sampler, "set_epoch"):
-            batch_sampler.set_epoch(epoch)
-        return [[int(i) for i in b] for b in batch_sampler]
-
-    def _all_ranks(self, epoch: int) -> list[list[ShardBatch]]:
-        if self._table is None or self._table[0] != epoch:
-            batches = self._underlying_batches(epoch)
-            plans = [self.plan.for_rank(r).shard(batches) for r in range(self.plan.world_size)]
-            self._table = (epoch, plans)
-        return self._table[1]
+        self._ended = False  # the last pass ran out: this rank has no current batch
+        self._left = False  # the last pass was closed before its end (a loop's break)
+        self._passes = 0  # passes started, so a closed old pass does not mark a newer one
+        # Streams talk over the data-parallel group: tensor-parallel peers read the same part.
+        self._source: BatchSource = (
+            open_stream(along(ctx, "dp"), loader, plan, dispatch_batches)
+            if isinstance(loader.dataset, IterableDataset)
+            else MapSource(loader, plan)
+        )
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -115,140 +119,69 @@ class ShardedLoader:
             self.epoch, self.position, self._resume = epoch, 0, False
 
     def __len__(self) -> int:
-        if self._stream is not None:
-            raise TypeError(
-                f"len(ShardedLoader): {self._stream_reason}; how many batches each rank gets "
-                "depends on how the stream splits, which is known only at its end."
-            )
-        if self._iterable:
-            n = len(self.loader.dataset)  # type: ignore[arg-type]
-            per_chunk = self._chunk_size()
-            return n // per_chunk if self.plan.drop_last else math.ceil(n / per_chunk)
-        return len(self._all_ranks(self.epoch)[self.plan.rank])
+        return self._source.num_batches(self.epoch, seed=self._seed)
 
     def __iter__(self) -> Iterator[Any]:
         # Not a generator function: the pass starts (and the position resets) at iter() itself.
         if not self._resume:
             self.position = 0
-        self._resume, self._pass_over = False, False
-        return self._run_pass(self.epoch)
+        self._resume, self._ended, self._left = False, False, False
+        self._passes += 1
+        return self._run_pass(self.epoch, self._passes)
 
-    def _run_pass(self, epoch: int) -> Iterator[Any]:
-        if self._stream is not None:  # its length is known only at its end
-            generator = self.loader.generator
-            if generator is None:  # as in _iterate_map: workers seeded from (seed, epoch, rank)
-                generator = epoch_generator(self._seed, epoch, self.plan.rank)
-            batches = self._stream.iterate(epoch, position=self.position, generator=generator)
-            total = -1
-        elif self._iterable:
-            batches, total = self._iterate_iterable(), -1
-        else:
-            batches, total = self._iterate_map(), len(self._all_ranks(epoch)[self.plan.rank])
+    def _run_pass(self, epoch: int, number: int) -> Iterator[Any]:
+        source = self._source
+        total = source.num_batches(epoch, seed=self._seed) if source.ends_at_count else -1
+        batches = source.iterate(epoch, seed=self._seed, position=self.position)
         ended = False
-        for batch in batches:
-            self.position += 1
-            if self._device is not None:
-                batch = send_to_device(batch, self._device, non_blocking=self._non_blocking)
-            if self.position == total:
-                # The last batch: the pass is complete even if nobody asks for the next one
-                # (Accelerate's recipe takes exactly len(loader) batches with next()).
-                self.epoch, self.position, ended = epoch + 1, 0, True
-            yield batch
+        try:
+            for batch in batches:
+                self.position += 1
+                if self._device is not None:
+                    batch = send_to_device(batch, self._device, non_blocking=self._non_blocking)
+                if self.position == total:
+                    # The last batch: the pass is complete even if nobody asks for the next one
+                    # (Accelerate's recipe takes exactly len(loader) batches with next()).
+                    self.epoch, self.position, ended = epoch + 1, 0, True
+                yield batch
+        except GeneratorExit:  # closed before its end: its batches are no longer current
+            if number == self._passes and not ended:  # (a newer pass is not this one's)
+                self._left = True
+            raise
         if not ended:
             self.epoch, self.position = epoch + 1, 0
-        self._pass_over = True
-
-    def _iterate_map(self) -> Iterator[Any]:
-        table = self._all_ranks(self.epoch)
-        mine = table[self.plan.rank]
-        start = self.position
-        if start >= len(mine):
-            return
-        loader = self.loader
-        # Starting a DataLoader iterator draws its workers' base seed from `generator`, which
-        # is torch's global RNG when none is given: a resumed run would start its iterator at a
-        # point the uninterrupted one did not and shift the dropout masks of every later step.
-        # Without the user's own generator, draw it from (seed, epoch, rank) instead, which
-        # also gives workers the same seeds after a resume.
-        generator = loader.generator
-        if generator is None:
-            generator = epoch_generator(self._seed, self.epoch, self.plan.rank)
-        common = worker_options(loader, generator) | {"collate_fn": loader.collate_fn}
-        if loader.batch_sampler is None:
-            inner = DataLoader(
-                loader.dataset,
-                batch_size=None,
-                sampler=[b.indices[0] for b in mine[start:]],
-                **common,
-            )
-        else:
-            inner = DataLoader(
-                loader.dataset, batch_sampler=[list(b.indices) for b in mine[start:]], **common
-            )
-        for i, batch in enumerate(inner, start):
-            self._yielded = (table, i)  # the layout is worked out only when someone asks for it
-            yield batch
-
-    def _chunk_size(self) -> int:
-        size = self.loader.batch_size
-        if size is None:
-            raise ValueError(
-                "shard_loader: an iterable dataset needs a DataLoader with a batch_size; the "
-                "stream is cut into chunks of world_size * batch_size."
-            )
-        return size if self.plan.split_batches else size * self.plan.world_size
-
-    def _iterate_iterable(self) -> Iterator[Any]:
-        """Every rank reads the whole stream and keeps its slice of each chunk (in-process)."""
-        per_chunk = self._chunk_size()
-        collate = self.loader.collate_fn
-        n = self.plan.world_size
-        first: list[Any] | None = None
-        chunk: list[Any] = []
-        index = 0
-        if self.position:  # a stream cannot seek: re-read up to the position
-            warn_reread(self.loader.dataset, self.position * per_chunk)
-
-        def emit(chunk: list[Any], num_real: int) -> Any:
-            layout = tuple(self.plan.for_rank(r).iterable_slice(chunk, num_real) for r in range(n))
-            self._chunk_layout = tuple((len(part), pad) for part, pad in layout)
-            return collate(layout[self.plan.rank][0])
-
-        for element in self.loader.dataset:  # type: ignore[attr-defined]
-            chunk.append(element)
-            if len(chunk) < per_chunk:
-                continue
-            if first is None:
-                first = list(chunk)
-            if index >= self.position:  # resumed runs re-read the stream up to their position
-                yield emit(chunk, per_chunk)
-            index += 1
-            chunk = []
-        if chunk and not self.plan.drop_last:
-            num_real = len(chunk)
-            cycle = first if first is not None else list(chunk)
-            while n > 1 and len(chunk) < per_chunk:  # one process: the short batch as it is
-                chunk += cycle
-            if index >= self.position:
-                yield emit(chunk[:per_chunk], num_real)
+        self._ended = True
 
     @property
-    def _layout(self) -> Layout:
-        """(size, padding) on every rank of the batch index this loader yielded last."""
-        if self._stream is not None:
-            return self._stream.layout
-        if self._iterable:
-            return self._chunk_layout
-        if self._yielded is None:
-            return ()
-        table, i = self._yielded
-        return tuple((len(p[i].indices), p[i].padding) if i < len(p) else (0, 0) for p in table)
+    def layout(self) -> Layout:
+        """(size, padding) on every data-parallel rank of the batch this loader yielded last.
+
+        Empty before the first batch. `gather_for_metrics` keeps each rank's first
+        `size - padding` samples.
+        """
+        return self._source.layout
 
     @property
     def padding(self) -> int:
         """How many samples at the end of the last yielded batch repeat earlier ones."""
-        layout = self._layout
+        layout = self.layout
         return layout[self.plan.rank][1] if layout else 0
+
+    @property
+    def pass_ended(self) -> bool:
+        """True once this rank's last pass has run out of batches: it has no current batch."""
+        return self._ended
+
+    @property
+    def pass_left(self) -> bool:
+        """True when the last pass was closed before its end (a loop over it ended with `break`,
+        or its iterator was dropped): the batch it yielded last is no longer current."""
+        return self._left
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are moved (`ctx.device`); None: left on the CPU, where they are made."""
+        return self._device
 
     # -- checkpointing -----------------------------------------------------------------------
 
@@ -256,7 +189,7 @@ class ShardedLoader:
     def state_is_per_rank(self) -> bool:
         """True when every rank's state is its own (a stream split across ranks and workers):
         `save_state` then saves and loads each rank's copy, as `PerRank(loader)` would."""
-        return isinstance(self._stream, SplitStream)
+        return self._source.state_is_per_rank
 
     def _dataset_length(self) -> int | None:
         try:
@@ -281,8 +214,9 @@ class ShardedLoader:
             "batch_size": self.plan.rank_batch_size,
             "grad_accum_steps": self._ctx.grad_accum_steps,
         }
-        if self._stream is not None:  # each worker's place in its part of the stream
-            state["stream"] = self._stream.state_dict()
+        own = self._source.state_dict()
+        if own is not None:  # e.g. each worker's place in its part of a split stream
+            state["stream"] = own
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -298,7 +232,7 @@ class ShardedLoader:
         elastic = (
             state.get("world_size") != mine["world_size"]
             and state.get("samples") is not None
-            and self._stream is None
+            and "stream" not in mine  # a source of its own state resumes where it was saved
         )
         for key in ("dataset_length",) if elastic else ("world_size", "dataset_length"):
             if state.get(key) != mine[key]:
@@ -308,8 +242,8 @@ class ShardedLoader:
                     "means the same batches with the same world size and dataset. Resume with "
                     "the original setting, or start the epoch afresh with set_epoch()."
                 )
-        if self._stream is not None and int(state["position"]) > 0:
-            self._stream.load_state_dict(state.get("stream"))
+        if "stream" in mine and int(state["position"]) > 0:
+            self._source.load_state_dict(state.get("stream"))
         position = _elastic_position(state, mine, self.plan) if elastic else int(state["position"])
         self.epoch, self.position = int(state["epoch"]), position
         self._seed = int(state.get("seed", self._seed))
@@ -329,8 +263,7 @@ class ShardedLoader:
         >>> print(loader.describe().splitlines()[0])
         rank 1 of 2, batch_size=1, even_batches=True, split_batches=False, drop_last=False
         """
-        reason = self._stream_reason or f"map-style {type(self.loader.dataset).__name__}"
-        return describe(self.plan, reason, self._stream)
+        return self._source.describe()
 
 
 def _elastic_position(saved: dict[str, Any], mine: dict[str, Any], plan: ShardPlan) -> int:

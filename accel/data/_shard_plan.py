@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import RandomSampler, SequentialSampler
 from typing_extensions import Self
 
 from accel.context import RunContext
@@ -280,22 +280,3 @@ def sampler_indices(sampler: Any, epoch: int, seed: int) -> list[int]:
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return [int(i) for i in sampler]
-
-
-def worker_options(loader: DataLoader[Any], generator: torch.Generator) -> dict[str, Any]:
-    """The worker settings of the user's `loader`, for a DataLoader accel builds in its place.
-
-    Its workers, pinning, timeout, init function and start method carry over unchanged;
-    `generator` seeds the workers (and any shuffling) instead of torch's global RNG.
-    """
-    options: dict[str, Any] = dict(
-        generator=generator,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-    )
-    if loader.num_workers > 0:  # DataLoader refuses a prefetch_factor without workers
-        options["prefetch_factor"] = loader.prefetch_factor
-    return options

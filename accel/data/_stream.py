@@ -1,6 +1,6 @@
 """Iterable datasets split across ranks and DataLoader workers, aligned at the end, resumable.
 
-Part of the data concern (`accel.data.shard_loader` dispatches here). A stream that can split
+One of the `BatchSource`s of `accel.data._source` (`open_stream` picks it). A stream that can split
 itself is cut into world_size * num_workers parts; the DataLoader worker `w` of rank `r` reads
 only part `r * num_workers + w` and batches it. Datasets split themselves in one of three ways:
 
@@ -35,8 +35,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from accel._groups import named_collective, require_group
 from accel.collectives import broadcast_object
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan, worker_options
+from accel.data._shard_plan import ShardPlan
+from accel.data._source import Layout, WholeStream, pass_generator, plan_line, unknown_length
 from accel.data._stream_dispatch import DispatchStream
+from accel.data._workers import worker_options
 
 SplitKind = Literal["datasets", "iter_shard", "shard"]
 DISPATCH_NEEDS_STREAM = (
@@ -76,14 +78,10 @@ def split_kind(dataset: object) -> tuple[SplitKind | None, str]:
 
 def open_stream(
     ctx: RunContext, loader: DataLoader[Any], plan: ShardPlan, dispatch: bool
-) -> tuple[SplitStream | DispatchStream | None, str]:
-    """The reader of an iterable dataset and why it was chosen (None: the Accelerate layout)."""
+) -> SplitStream | DispatchStream | WholeStream:
+    """The source of an iterable dataset: split, dispatched, or read whole by every rank."""
     if dispatch:
-        reason = (
-            f"dispatch_batches=True: rank 0 reads the whole {type(loader.dataset).__name__} "
-            "and sends every rank its batch, shapes included"
-        )
-        return DispatchStream(ctx, loader, plan), reason
+        return DispatchStream(ctx, loader, plan)
     kind, reason = split_kind(loader.dataset)
     if kind == "datasets":
         reason += _datasets_split(loader.dataset, plan)
@@ -95,7 +93,9 @@ def open_stream(
             "workers on rank 0.",
             stacklevel=4,
         )
-    return (SplitStream(ctx, loader, plan, kind) if kind is not None else None), reason
+    if kind is None:
+        return WholeStream(loader, plan, reason)
+    return SplitStream(ctx, loader, plan, kind, reason)
 
 
 def _datasets_split(dataset: Any, plan: ShardPlan) -> str:
@@ -121,28 +121,6 @@ def _datasets_split(dataset: Any, plan: ShardPlan) -> str:
         f"; here by examples: {num_shards} shards do not divide among {plan.world_size} "
         "ranks, so every rank decodes every example and keeps its own"
     )
-
-
-def warn_reread(dataset: object, num_samples: int) -> None:
-    """Warn that resuming a stream that cannot split re-reads `num_samples` samples."""
-    warnings.warn(
-        f"shard_loader: resuming re-reads the first {num_samples} samples of "
-        f"{type(dataset).__name__} on every rank to reach the saved position (a stream that "
-        "does not split itself cannot seek). Give it iter_shard()/shard() and state_dict()/"
-        "load_state_dict() to resume from its own state.",
-        stacklevel=4,
-    )
-
-
-def describe(plan: ShardPlan, reason: str, stream: SplitStream | DispatchStream | None) -> str:
-    """The lines of `ShardedLoader.describe()`."""
-    head = (
-        f"rank {plan.rank} of {plan.world_size}, batch_size={plan.batch_size}, even_batches="
-        f"{plan.even_batches}, split_batches={plan.split_batches}, drop_last={plan.drop_last}"
-    )
-    if isinstance(stream, SplitStream):
-        return f"{head}\nsplit stream, {stream.num_workers} worker(s) per rank: {reason}"
-    return f"{head}\n{reason}"
 
 
 def _stateful(obj: object) -> bool:
@@ -237,8 +215,16 @@ class _PartReader(IterableDataset[_CountedBatch]):
 class SplitStream:
     """This rank's position in a split stream: one per `ShardedLoader`, mutated as it yields."""
 
+    ends_at_count = False  # how many batches each rank gets is known only at the end
+    state_is_per_rank = True  # every rank (and worker) has its own place in its own part
+
     def __init__(
-        self, ctx: RunContext, loader: DataLoader[Any], plan: ShardPlan, kind: SplitKind
+        self,
+        ctx: RunContext,
+        loader: DataLoader[Any],
+        plan: ShardPlan,
+        kind: SplitKind,
+        reason: str,
     ) -> None:
         dataset: Any = loader.dataset
         if kind == "datasets" and getattr(dataset, "_distributed", None) is None:
@@ -248,6 +234,7 @@ class SplitStream:
             dataset = split_dataset_by_node(dataset, rank=plan.rank, world_size=plan.world_size)
         assert loader.batch_size is not None  # checked by shard_loader
         self._ctx, self.loader, self.plan, self.kind = ctx, loader, plan, kind
+        self.reason = reason
         self.dataset = dataset
         size = loader.batch_size
         self.batch_size = size // plan.world_size if plan.split_batches else size
@@ -256,13 +243,22 @@ class SplitStream:
         self.cursor = 0  # the worker whose batch comes next
         self.pad_batch: Any = None  # yielded again as padding once this rank's part has ended
         self.pad_size = 0
-        self.layout: tuple[tuple[int, int], ...] = ()
+        self.layout: Layout = ()
         self._warned = False
         self._persistent: DataLoader[Any] | None = None  # reused when persistent_workers
 
+    def describe(self) -> str:
+        return (
+            f"{plan_line(self.plan)}\nsplit stream, {self.num_workers} worker(s) per rank: "
+            f"{self.reason}"
+        )
+
+    def num_batches(self, epoch: int, *, seed: int) -> int:
+        raise unknown_length(self.reason)
+
     # -- state -------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any] | None:
         return {
             "rank": self.plan.rank,
             "kind": self.kind,
@@ -300,8 +296,9 @@ class SplitStream:
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def iterate(self, epoch: int, *, position: int, generator: torch.Generator) -> Iterator[Any]:
+    def iterate(self, epoch: int, *, seed: int, position: int) -> Iterator[Any]:
         """This rank's batches of `epoch`, from the saved position when `position > 0`."""
+        generator = pass_generator(self.loader, seed, epoch, self.plan.rank)
         if position == 0:
             self.workers, self.cursor, self.pad_batch, self.pad_size = None, 0, None, 0
         if hasattr(self.dataset, "set_epoch"):

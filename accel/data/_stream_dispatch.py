@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader
 
 from accel._groups import global_rank, named_collective, require_group
 from accel.context import RunContext
-from accel.data._shard_plan import ShardPlan, worker_options
+from accel.data._shard_plan import ShardPlan
+from accel.data._source import Layout, pass_generator, plan_line, unknown_length
+from accel.data._workers import worker_options
 
 
 class _Counted:
@@ -40,14 +42,28 @@ class DispatchStream:
     with even_batches, else every rank stops before it. A resume re-reads on rank 0.
     """
 
+    ends_at_count = False  # rank 0 learns the number of rounds only at the stream's end
+    state_is_per_rank = False
+
     def __init__(self, ctx: RunContext, loader: DataLoader[Any], plan: ShardPlan) -> None:
         self._ctx, self.loader, self.plan = ctx, loader, plan
         self.num_workers = max(1, loader.num_workers)
-        self.layout: tuple[tuple[int, int], ...] = ()
+        self.layout: Layout = ()
         self._warned = False
+        self.reason = (
+            f"dispatch_batches=True: rank 0 reads the whole {type(loader.dataset).__name__} "
+            "and sends every rank its batch, shapes included"
+        )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": "dispatch"}  # the position (rounds yielded) is the loader's own
+    def describe(self) -> str:
+        return f"{plan_line(self.plan)}\n{self.reason}"
+
+    def num_batches(self, epoch: int, *, seed: int) -> int:
+        raise unknown_length(self.reason)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        # The position (rounds yielded) is the loader's own; the kind guards a mixed-up resume.
+        return {"kind": "dispatch"}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state is None or state.get("kind") != "dispatch":
@@ -56,8 +72,9 @@ class DispatchStream:
                 "dispatch_batches=True; resume with the loader settings it was saved with."
             )
 
-    def iterate(self, epoch: int, *, position: int, generator: torch.Generator) -> Iterator[Any]:
+    def iterate(self, epoch: int, *, seed: int, position: int) -> Iterator[Any]:
         dataset: Any = self.loader.dataset
+        generator = pass_generator(self.loader, seed, epoch, self.plan.rank)
         if self.plan.rank != 0:
             return self._receive(None)
         if hasattr(dataset, "set_epoch"):

@@ -51,7 +51,8 @@ def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     except RuntimeError as err:  # no batch yielded by that loader yet
         res["err_unstarted"] = str(err)
     loader = accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2))
-    batch = next(iter(loader))
+    live = iter(loader)  # a pass whose iterator is dropped is no longer current (issue 29)
+    batch = next(live)
     try:
         accel.gather_for_metrics(ctx, torch.zeros(len(batch), 3 + ctx.rank), loader=loader)
     except ValueError as err:
@@ -176,3 +177,28 @@ def test_resume_in_new_processes_yields_exactly_the_rest(world: tuple[int, str, 
     for res, rest in zip(results, resumed, strict=True):
         assert res["head"] + rest == res["epoch1"]
         assert res["epoch1"] != res["train"]  # a new order in the new epoch
+
+
+# -- gather_for_metrics with a loader that did not yield the batch (issue 29 item 12) ---------
+
+
+def _gather_with_the_training_loader(ctx: accel.RunContext) -> str | list[int]:
+    train = accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=4))
+    for k, _ in enumerate(train):
+        if k == 1:
+            break  # the training pass is left in its middle
+    evaluation = accel.shard_loader(ctx, DataLoader(list(range(37)), batch_size=4))
+    gathered: list[int] = []
+    try:
+        for batch in evaluation:
+            gathered += accel.gather_for_metrics(ctx, batch, loader=train).tolist()
+    except RuntimeError as err:  # raised on every rank, before any collective
+        return str(err)
+    return gathered  # what a silently wrong gather returned
+
+
+def test_gathering_with_another_loaders_left_pass_raises_on_every_rank() -> None:
+    for got in run_world(_gather_with_the_training_loader, world_size=2, timeout=120):
+        assert isinstance(got, str), f"gathered {len(got)} samples, {len(set(got))} unique"
+        assert got.startswith("gather_for_metrics: loader=")
+        assert "left its pass" in got
