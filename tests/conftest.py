@@ -6,8 +6,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
-import torch._dynamo  # noqa: F401  (imported once here: its import sets TORCHINDUCTOR_CACHE_DIR)
 import torch.distributed as dist
+
+# Variables torch itself writes once per process, the first time it needs them: importing
+# torch._dynamo (which `torch.compile` does) runs torch._inductor's `cache_dir()`, which sets
+# TORCHINDUCTOR_CACHE_DIR to its default. Not a leak of the test that happens to compile first,
+# and left in place: torch's compile workers read it from the environment.
+SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +25,9 @@ def _no_leaks() -> Iterator[None]:
     changed = {
         k
         for k in before.keys() | os.environ.keys()
-        if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"  # pytest's own
+        if before.get(k) != os.environ.get(k)
+        and k != "PYTEST_CURRENT_TEST"  # pytest's own
+        and not (k in SET_BY_TORCH and k not in before)  # set by torch, never changed by it
     }
     for k in changed:
         if k in before:
