@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 import accel
-from tests.hf_shapes import GPT2LMHead, LlamaForCausalLM
+from tests.models import GPT2LMHead, ListModel, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 5, 7, 2, 30, 200, 17, 3], [0, 3, 3, 9, 31, 255, 64, 8]])
 
@@ -60,19 +60,6 @@ def empty(cls: type[nn.Module]) -> nn.Module:
 
 
 # ---- item 1: a map entry naming a module that is never called --------------------------------
-
-
-class ListModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_a_map_naming_a_module_list_runs_its_layers_from_disk(tmp_path: Path) -> None:
