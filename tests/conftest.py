@@ -1,9 +1,14 @@
-"""Guards every test: no process group or environment variable may outlive a test."""
+"""Guards every test: no process group or environment variable may outlive a test.
+
+Also marks every test in tests/dist and tests/cli `slow`: each starts processes (`run_world`
+ranks, `accel` commands), seconds apiece, so `make test-fast` (`-m "not slow"`) leaves them out.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -13,6 +18,16 @@ import torch.distributed as dist
 # TORCHINDUCTOR_CACHE_DIR to its default. Not a leak of the test that happens to compile first,
 # and left in place: torch's compile workers read it from the environment.
 SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+
+PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent.parent == here and item.path.parent.name in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

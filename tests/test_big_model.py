@@ -450,6 +450,7 @@ CHILD = textwrap.dedent(
 LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
+@pytest.mark.slow
 def test_a_big_checkpoint_dispatched_under_a_cpu_budget_stays_within_memory(
     tmp_path: Path,
 ) -> None:

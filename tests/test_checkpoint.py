@@ -97,6 +97,7 @@ def test_tied_weights_saved_once_and_restored_tied(tmp_path: Path) -> None:
     assert torch.equal(fresh.head.weight, model.embed.weight + 1)
 
 
+@pytest.mark.slow
 def test_save_model_unwraps_compile_and_keeps_bf16(tmp_path: Path) -> None:
     model = _mlp(0).to(torch.bfloat16)
     accel.save_model(CTX, torch.compile(model), tmp_path)
