@@ -44,7 +44,7 @@ import accel
 
 # The GPT-2-shaped model is the one the tests load; the repository root holds `tests/`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.hf_shapes import GPT2_124M, GPT2LMHead
+from tests.models import GPT2_124M, GPT2LMHead
 
 
 def build(layers: int, width: int) -> nn.Sequential:

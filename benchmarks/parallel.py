@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.dist._llama
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.models
 
 import accel
 from accel import FSDPOptions, Parallelism
 from accel.testing import run_world
-from tests.dist._llama import TP_PLAN, Block, lm_loss, make_model
+from tests.models import TP_PLAN, Block, lm_loss, make_model
 
 SIZES = {"vocab": 512, "dim": 256, "heads": 8, "layers": 4}
 BATCH, SEQ = 16, 64

@@ -1,13 +1,33 @@
-"""Guards every test: no process group or environment variable may outlive a test."""
+"""Guards every test: no process group or environment variable may outlive a test.
+
+Also marks every test in tests/dist and tests/cli `slow`: each starts processes (`run_world`
+ranks, `accel` commands), seconds apiece, so `make test-fast` (`-m "not slow"`) leaves them out.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-import torch._dynamo  # noqa: F401  (imported once here: its import sets TORCHINDUCTOR_CACHE_DIR)
 import torch.distributed as dist
+
+# Variables torch itself writes once per process, the first time it needs them: importing
+# torch._dynamo (which `torch.compile` does) runs torch._inductor's `cache_dir()`, which sets
+# TORCHINDUCTOR_CACHE_DIR to its default. Not a leak of the test that happens to compile first,
+# and left in place: torch's compile workers read it from the environment.
+SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+
+PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent.parent == here and item.path.parent.name in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +40,9 @@ def _no_leaks() -> Iterator[None]:
     changed = {
         k
         for k in before.keys() | os.environ.keys()
-        if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"  # pytest's own
+        if before.get(k) != os.environ.get(k)
+        and k != "PYTEST_CURRENT_TEST"  # pytest's own
+        and not (k in SET_BY_TORCH and k not in before)  # set by torch, never changed by it
     }
     for k in changed:
         if k in before:

@@ -15,56 +15,9 @@ from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 import accel
+from tests.models import Pair, TiedLayers, TinyLM, linears
 
 # A Linear(4, 4) holds 16 + 4 floats = 80 bytes; Linear(4, 10) holds 200.
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 4) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(dim, dim)
-        self.lin2 = nn.Linear(dim, dim)
-        self.register_buffer("shift", torch.randn(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin2(torch.relu(self.lin1(x))) + self.shift
-
-
-class Pair(nn.Module):
-    """Two Linear(4, 4) layers, 160 bytes, no buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin1 = nn.Linear(4, 4)
-        self.lin2 = nn.Linear(4, 4)
-
-
-class Tied(nn.Module):
-    def __init__(self, order: tuple[str, ...] = ("embed", "lin", "head")) -> None:
-        super().__init__()
-        for name in order:
-            layer = nn.Embedding(10, 4) if name == "embed" else nn.Linear(4, 4)
-            setattr(self, name, layer if name != "head" else nn.Linear(4, 10, bias=False))
-        self.head.weight = self.embed.weight
-
-
-class TinyLM(nn.Module):
-    def __init__(self, dim: int = 16, vocab: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.Sequential(*[Block(dim) for _ in range(3)])
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("pos", torch.arange(5.0), persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) + self.pos[: ids.shape[1], None].to(self.embed.weight.dtype)
-        return self.head(self.norm(self.blocks(x)))
-
-
-def linears(n: int) -> nn.Sequential:
-    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
 
 
 # ---- empty init and sizes -------------------------------------------------------------------
@@ -110,7 +63,7 @@ def test_sizes_count_buffers_dtypes_and_tied_tensors_once() -> None:
     # BatchNorm1d(4): weight, bias, running_mean, running_var (4 floats each) + int64 counter.
     assert accel.compute_module_sizes(model) == {"": 152, "0": 80, "1": 72}
     assert accel.compute_module_sizes(model, dtype=torch.float16) == {"": 80, "0": 40, "1": 40}
-    tied = accel.compute_module_sizes(Tied())
+    tied = accel.compute_module_sizes(TiedLayers())
     assert tied == {"": 240, "embed": 160, "lin": 80, "head": 0}
 
 
@@ -173,14 +126,14 @@ def test_dtype_is_respected() -> None:
 def test_tied_parameters_stay_on_one_device() -> None:
     # embed (160) and head (its tied weight only) go to device 0, which keeps 80 B for the
     # largest layer left; lin then does not fit beside them and goes to 1, tail too.
-    model = Tied()
+    model = TiedLayers()
     model.tail = nn.Linear(4, 4)
     plan = accel.infer_device_map(model, max_memory={0: 240, 1: 1000})
     assert plan == {"embed": 0, "head": 0, "lin": 1, "tail": 1}
 
 
 def test_a_tied_group_that_does_not_fit_moves_whole() -> None:
-    model = Tied()
+    model = TiedLayers()
     model.tail = nn.Linear(4, 4)
     model.head.bias = nn.Parameter(torch.zeros(10))  # 40 bytes that must sit beside embed
     # embed alone would fit on 0 (160 B + 80 kept), with head it does not: all go to 1.
@@ -497,6 +450,7 @@ CHILD = textwrap.dedent(
 LAUNCHER = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
 
+@pytest.mark.slow
 def test_a_big_checkpoint_dispatched_under_a_cpu_budget_stays_within_memory(
     tmp_path: Path,
 ) -> None:

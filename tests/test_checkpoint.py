@@ -21,20 +21,9 @@ import accel
 from accel import RunContext
 from accel._safetensors.manifests import MANIFEST
 from accel.checkpoint._safetensors_io import read_file
+from tests.models import TiedHeadLM
 
 CTX = RunContext.single()
-
-
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(5, 3)
-        self.mid = nn.Linear(3, 3)
-        self.head = nn.Linear(3, 5, bias=False)
-        self.head.weight = self.embed.weight  # tied, as in language models
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mid(self.embed(x)))
 
 
 def _mlp(seed: int, width: int = 4) -> nn.Module:
@@ -94,12 +83,12 @@ def test_save_model_shards_in_hugging_face_layout_and_loads_back(tmp_path: Path)
 
 def test_tied_weights_saved_once_and_restored_tied(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = Tied()
+    model = TiedHeadLM()
     accel.save_model(CTX, model, tmp_path)
     names = load_file(tmp_path / "model.safetensors").keys()
     assert sorted(names) == ["embed.weight", "mid.bias", "mid.weight"]
     torch.manual_seed(1)
-    fresh = Tied()
+    fresh = TiedHeadLM()
     accel.load_checkpoint_in_model(fresh, tmp_path / "model.safetensors")
     assert torch.equal(fresh.head.weight, model.embed.weight)
     assert fresh.head.weight is fresh.embed.weight
@@ -108,6 +97,7 @@ def test_tied_weights_saved_once_and_restored_tied(tmp_path: Path) -> None:
     assert torch.equal(fresh.head.weight, model.embed.weight + 1)
 
 
+@pytest.mark.slow
 def test_save_model_unwraps_compile_and_keeps_bf16(tmp_path: Path) -> None:
     model = _mlp(0).to(torch.bfloat16)
     accel.save_model(CTX, torch.compile(model), tmp_path)

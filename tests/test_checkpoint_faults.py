@@ -286,6 +286,7 @@ def _writer(root: str, value: float, step: int, start: Any, out: Any) -> None:
         out.send(("crash", traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_two_writers_of_one_step_publish_one_whole_checkpoint(tmp_path: Path) -> None:
     fork = mp.get_context("fork")
     for trial in range(10):
@@ -325,6 +326,7 @@ def _rotating_writer(root: str, first: int, start: Any, out: Any) -> None:
         out.send(("crash", traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_two_writers_rotating_one_root_never_fail_each_other(tmp_path: Path) -> None:
     root = _root(tmp_path)
     fork = mp.get_context("fork")
@@ -348,6 +350,7 @@ def _rotating_saver(root: str, start: Any, stop: Any) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_a_reader_racing_rotation_loads_or_is_told_it_was_rotated(tmp_path: Path) -> None:
     root = _root(tmp_path)
     _save(root, 0)

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,6 +51,7 @@ def _saver(root: str, first_step: int, blocking: bool, ready: Any) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_always_leaves_a_complete_latest(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     accel.save_checkpoint(CTX, root, {"model": _model(0.0)}, step=0)

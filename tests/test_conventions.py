@@ -158,6 +158,7 @@ def test_init_reexports_exactly_the_public_modules() -> None:
     assert set(accel.__all__) == public
 
 
+@pytest.mark.slow
 def test_import_starts_no_cuda_no_process_group_and_writes_no_environment() -> None:
     probe = (
         "import json, os, sys; before = dict(os.environ); import torch;"

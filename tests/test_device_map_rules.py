@@ -25,20 +25,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 import accel
-
-
-class LinearBNLinear(nn.Module):
-    """Accelerate's ModelForTest: linear1 64 B, batchnorm 72 B (with its int64 counter),
-    linear2 100 B; 236 B in all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(3, 4)
-        self.batchnorm = nn.BatchNorm1d(4)
-        self.linear2 = nn.Linear(4, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.batchnorm(self.linear1(x)))
+from tests.models import LinearBNLinear, LinearWithSub
 
 
 def three(tie: int = 0) -> nn.Sequential:
@@ -150,20 +137,6 @@ def test_ties_inside_one_sequential() -> None:
         "linear3": 0,
         "linear4": 1,
     }
-
-
-class Holder(nn.Module):
-    def __init__(self, parameter: nn.Parameter) -> None:
-        super().__init__()
-        self.parameter = parameter
-
-
-class LinearWithSub(nn.Linear):
-    """`compute.weight` is tied to `compute.weight_submodule.parameter` (a name it prefixes)."""
-
-    def __init__(self) -> None:
-        super().__init__(3, 8)
-        self.weight_submodule = Holder(self.weight)
 
 
 def test_a_tie_whose_name_prefixes_another() -> None:

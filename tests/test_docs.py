@@ -66,6 +66,7 @@ def test_the_docs_have_code_to_run() -> None:
     assert sum(len(python_blocks(p)) for p in PAGES) >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
 def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     blocks, printed = tmp_path / "blocks.json", tmp_path / "printed.json"

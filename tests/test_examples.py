@@ -47,6 +47,7 @@ def test_every_example_has_a_smoke_run_and_a_launch_command() -> None:
         assert f"accel launch --num_processes 2 examples/{name}" in doc, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_example_runs_on_two_processes(tmp_path: Path, name: str) -> None:
     argv, expected = SMOKE[name]
@@ -68,6 +69,7 @@ def test_example_runs_on_two_processes(tmp_path: Path, name: str) -> None:
             assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_train_minimal_learns_in_one_process(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_minimal.py"), "--steps", "40"],
@@ -78,6 +80,7 @@ def test_train_minimal_learns_in_one_process(tmp_path: Path) -> None:
     assert len(losses) == 4 and losses[-1] < losses[0] / 4, losses
 
 
+@pytest.mark.slow
 def test_causal_lm_accumulation_matches_the_full_batch_reference_in_one_process() -> None:
     # The same recipe at 1 process (the 2-process run is in the smoke runs above): iter() per
     # epoch, shifted token counts, the remainder window at each epoch's end.
@@ -89,6 +92,7 @@ def test_causal_lm_accumulation_matches_the_full_batch_reference_in_one_process(
     assert "[rank 0] after 3 epochs the model matches the full-batch reference" in run.stdout
 
 
+@pytest.mark.slow
 def test_the_users_pytest_example_passes() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_step.py"],
@@ -110,6 +114,7 @@ def _last_metrics(folder: Path) -> dict[str, float]:
     return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_char_lm_killed_mid_run_and_resumed_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
     done = subprocess.run(

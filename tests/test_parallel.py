@@ -6,28 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from torch import nn
 
 import accel
 from accel import FSDPOptions, Parallelism, RunContext
-from tests.dist._llama import TP_PLAN, make_model
+from tests.models import TP_PLAN, HFLike, make_model
 
 
 def _ctx(**sizes: int) -> RunContext:
     p = Parallelism(**sizes)
     world = p.dp_replicate * p.dp_shard * p.cp * p.tp
     return RunContext(rank=0, world_size=world, parallelism=p)
-
-
-class HFLike(nn.Module):
-    """A Hugging Face-shaped model: a base model under `base_model_prefix`, a config plan."""
-
-    base_model_prefix = "model"
-
-    def __init__(self, plan: dict[str, str]) -> None:
-        super().__init__()
-        self.model = make_model()
-        self.config = type("Config", (), {"base_model_tp_plan": plan})()
 
 
 @pytest.mark.parametrize(

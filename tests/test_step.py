@@ -25,6 +25,7 @@ def test_wrap_model_places_and_returns_the_module() -> None:
     assert accel.unwrap_model(inner) is inner
 
 
+@pytest.mark.slow
 def test_compiled_model_unwraps_and_cannot_be_wrapped_again() -> None:
     inner = _model()
     compiled = accel.wrap_model(RunContext.single(), inner, compile=True)

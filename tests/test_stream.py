@@ -117,7 +117,7 @@ def _run(make: Any, stops: list[int]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_twice_at_every_position_equals_the_uninterrupted_run(
     tmp_path: Path, num_workers: int
 ) -> None:
@@ -151,6 +151,7 @@ def test_resume_without_dataset_state_rereads_once_with_a_warning(tmp_path: Path
         assert _run(make, [3]) == reference
 
 
+@pytest.mark.slow
 def test_resume_datasets_streaming_from_its_own_state(tmp_path: Path) -> None:
     paths = write_json_shards(tmp_path / "json", [5, 7, 3, 6])
 
@@ -240,7 +241,7 @@ def test_dispatch_resumes_by_rereading_on_rank_0() -> None:
 
 
 @pytest.mark.parametrize("kind", ["map", "stream"])
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_torchdata_stateful_dataloader_resumes_at_every_position_through_save_state(
     tmp_path: Path, kind: str, num_workers: int
 ) -> None:

@@ -238,12 +238,12 @@ def test_env_and_help_and_selftest(tmp_path: Path) -> None:
 
 
 def test_estimate_memory_counts_tied_weights_once(tmp_path: Path) -> None:
-    out = accel_cli(tmp_path, "estimate-memory", "tests.cli.models:tied_lm")
+    out = accel_cli(tmp_path, "estimate-memory", "tests.models:tied_lm")
     assert out.returncode == 0, out.stderr
     # 100*16 (tied, once) + 16*32+32 + 32*16+16 + 8 (buffer) = 2680 elements
     assert "2,680 elements; largest layer '0' (1,600)" in out.stdout
     assert "| float32 | 6.25 KiB | 10.47 KiB | 41.88 KiB |" in out.stdout
-    bad = accel_cli(tmp_path, "estimate-memory", "tests.cli.models")
+    bad = accel_cli(tmp_path, "estimate-memory", "tests.models")
     assert bad.returncode == 2 and "must look like 'package.module:callable'" in bad.stderr
 
 

@@ -14,7 +14,7 @@ REPORT = """
 import json, sys, torch
 import accel
 from torch.distributed.fsdp import FSDPModule
-from tests.dist._llama import TP_PLAN, make_model, lm_loss
+from tests.models import TP_PLAN, make_model, lm_loss
 ctx = accel.init_distributed()
 model = accel.wrap_model(ctx, make_model(), tp_plan=TP_PLAN if ctx.tp_size > 1 else None)
 inner = accel.unwrap_model(model)

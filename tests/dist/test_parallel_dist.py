@@ -1,6 +1,6 @@
 """N-D parallelism at 4 gloo ranks equals the one-process full-batch reference.
 
-Each mesh shape trains the small Llama-style model of `_llama.py` for a few optimizer steps with
+Each mesh shape trains the small Llama-style model of `tests/models.py` for a few optimizer steps with
 accumulation 2 and gradient clipping; the parent trains the same model on the whole global batch
 in one process. Parameters, losses and gradient norms must agree to float reduction order.
 """
@@ -17,7 +17,7 @@ import torch
 import accel
 from accel import FSDPOptions, Parallelism
 from accel.testing import run_world
-from tests.dist._llama import TP_PLAN, Block, batches, full_param, lm_loss, make_model, reference
+from tests.models import TP_PLAN, Block, batches, full_param, lm_loss, make_model, reference
 
 pytestmark = pytest.mark.dist
 
@@ -243,7 +243,7 @@ def test_a_checkpoint_saved_at_one_mesh_shape_resumes_at_another(tmp_path: Any) 
 
 
 def _hf_auto_plan(ctx: accel.RunContext) -> dict[str, Any]:
-    from tests.test_parallel import HFLike
+    from tests.models import HFLike
 
     plan = {k: v for k, v in TP_PLAN.items()}  # keys relative to the base model, as in HF
     model = accel.wrap_model(ctx, HFLike(plan), tp_plan="auto")

@@ -19,29 +19,16 @@ from torch import nn
 import accel
 from accel import RunContext
 from accel.testing import run_world
+from tests.models import Stack, Uneven
 
 pytestmark = pytest.mark.dist
 
 TIMEOUT = 120
 
 
-class Tiny(nn.Module):
-    """Uneven sizes (10, 7, 3 do not divide by 2 or 4), a tied pair, a bias-free layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.up = nn.Linear(6, 10)
-        self.down = nn.Linear(10, 7)
-        self.norm = nn.LayerNorm(7)
-        self.head = nn.Linear(7, 3, bias=False)
-        self.out = nn.Linear(6, 11, bias=False)
-        self.out.weight = self.embed.weight  # tied
-
-
 def _tiny(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return Tiny()
+    return Uneven()
 
 
 def _fsdp2(model: nn.Module) -> nn.Module:
@@ -140,14 +127,6 @@ def test_sharded_load_verifies_checksums_from_the_manifest(tmp_path: Path) -> No
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"{shard.name}.*fails its checksum"):
         run_world(_meta_load, world_size=2, timeout=TIMEOUT, args=(str(tmp_path),))
-
-
-class Stack(nn.Module):
-    """16 square layers of 1024: 64 MiB of fp32, each weight 4 MiB."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(1024, 1024, bias=False) for _ in range(16))
 
 
 def _peak_during(load: Any) -> int:
@@ -300,7 +279,7 @@ def test_sharded_save_model_files_equal_the_unsharded_save(
 ) -> None:
     results = run_world(_save_sharded, world_size=world_size, timeout=TIMEOUT,
                         args=(str(tmp_path), kind))  # fmt: skip
-    unsharded = Tiny()
+    unsharded = Uneven()
     unsharded.load_state_dict(results[0])
     accel.save_model(RunContext.single(), unsharded, tmp_path / "plain", max_shard_size=200)
     sharded = tmp_path / kind
@@ -362,7 +341,7 @@ def test_a_rank_failing_to_write_fails_the_sharded_save_on_every_rank(
     assert all(f"rank {failing}" in r for i, r in enumerate(results) if i != failing), results
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no partials
     reference = _full(_tiny(seed=3))  # the model as first saved, unsharded
-    model = Tiny()
+    model = Uneven()
     accel.load_checkpoint_in_model(model, root)  # the earlier save, whole and verified
     for k, v in model.state_dict().items():
         assert torch.equal(v, reference[k]), k
@@ -388,7 +367,7 @@ def test_merge_weights_of_a_sharded_checkpoint_loads_with_equal_parameters(
     monkeypatch.setattr(os, "pwrite", _halving(os.pwrite))
     assert main(["merge-weights", str(src), str(dst), "--max-shard-size", "200"]) == 0
     assert (dst / "model.safetensors.index.json").is_file()
-    model = Tiny()
+    model = Uneven()
     assert accel.load_checkpoint_in_model(model, dst) == accel.LoadResult([], [])
     for k, v in model.state_dict().items():
         assert torch.equal(v, trained[k]), k

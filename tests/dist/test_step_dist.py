@@ -17,6 +17,7 @@ from torch import nn
 
 import accel
 from accel.testing import run_world
+from tests.models import TokenModel
 
 pytestmark = pytest.mark.dist
 
@@ -33,17 +34,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _mlp() -> nn.Module:
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-class _TokenModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.embed = nn.Embedding(7, 6)
-        self.head = nn.Linear(6, 7)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(x)))
 
 
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +57,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _train(ctx: accel.RunContext, strategy: str, task: str, *, naive: bool = False) -> Any:
     """Train STEPS optimizer steps; each rank takes its contiguous part of each global batch."""
-    model = accel.wrap_model(ctx, _mlp() if task == "mse" else _TokenModel(), strategy=strategy)  # type: ignore[arg-type]
+    model = accel.wrap_model(ctx, _mlp() if task == "mse" else TokenModel(), strategy=strategy)  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = _data() if task == "mse" else _tokens()
     per_rank = GLOBAL_BATCH // ctx.world_size
@@ -158,7 +148,7 @@ def _world(ctx: accel.RunContext) -> dict[str, Any]:
 
 def _reference(task: str) -> list[torch.Tensor]:
     """Full-batch, single process, no accel: the gradient of the mean over the global batch."""
-    model = _mlp() if task == "mse" else _TokenModel()
+    model = _mlp() if task == "mse" else TokenModel()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = _data() if task == "mse" else _tokens()
     for step in range(STEPS):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 import accel
-from tests.hf_shapes import GPT2LMHead, LlamaForCausalLM
+from tests.models import GPT2LMHead, ListModel, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 5, 7, 2, 30, 200, 17, 3], [0, 3, 3, 9, 31, 255, 64, 8]])
 
@@ -62,19 +62,7 @@ def empty(cls: type[nn.Module]) -> nn.Module:
 # ---- item 1: a map entry naming a module that is never called --------------------------------
 
 
-class ListModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
+@pytest.mark.slow
 def test_a_map_naming_a_module_list_runs_its_layers_from_disk(tmp_path: Path) -> None:
     torch.manual_seed(0)
     reference = ListModel()
@@ -89,6 +77,7 @@ def test_a_map_naming_a_module_list_runs_its_layers_from_disk(tmp_path: Path) ->
     assert torch.equal(model(ids), reference(ids))
 
 
+@pytest.mark.slow
 def test_gpt2_with_its_blocks_container_mapped_to_disk(gpt2: tuple[GPT2LMHead, Path]) -> None:
     reference, folder = gpt2
     device_map = {
@@ -103,6 +92,7 @@ def test_gpt2_with_its_blocks_container_mapped_to_disk(gpt2: tuple[GPT2LMHead, P
     assert model.hf_device_map == device_map
 
 
+@pytest.mark.slow
 def test_a_planned_map_that_sends_the_block_list_to_disk(gpt2: tuple[GPT2LMHead, Path]) -> None:
     reference, folder = gpt2
     # The CPU holds the embeddings and keeps room for one block; the blocks go to disk
@@ -118,6 +108,7 @@ def test_a_planned_map_that_sends_the_block_list_to_disk(gpt2: tuple[GPT2LMHead,
 # ---- the equality of whole models, fp32 and bf16, part on disk --------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cls", [GPT2LMHead, LlamaForCausalLM], ids=["gpt2", "llama"])
 def test_dispatched_with_part_on_disk_equals_the_model_loaded_whole(
@@ -144,6 +135,7 @@ def test_dispatched_with_part_on_disk_equals_the_model_loaded_whole(
 # ---- item 2: dtype casts the checkpoint's tensors, not the buffers the model built ------------
 
 
+@pytest.mark.slow
 def test_bf16_leaves_the_fp32_rotary_buffer_as_built(llama: tuple[LlamaForCausalLM, Path]) -> None:
     _, folder = llama
     reference = by_hand(LlamaForCausalLM, folder, torch.bfloat16)
@@ -188,6 +180,7 @@ def test_a_dtype_that_is_not_one_is_refused_by_name(
         accel.dispatch_checkpoint(empty(LlamaForCausalLM), folder, dtype=dtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_load_checkpoint_in_model_fills_an_empty_model(gpt2: tuple[GPT2LMHead, Path]) -> None:
     reference, folder = gpt2
     model = empty(GPT2LMHead)
@@ -228,6 +221,7 @@ print(json.dumps({"start": start, "peak": vm("VmHWM"), "end": vm("VmRSS")}))
 """
 
 
+@pytest.mark.slow
 def test_a_bf16_load_of_an_fp32_checkpoint_peaks_at_the_bf16_weights(tmp_path: Path) -> None:
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 134 MB in fp32
     save_model(model, str(tmp_path / "model.safetensors"))
