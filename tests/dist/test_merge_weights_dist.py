@@ -25,7 +25,8 @@ import torch
 import accel
 from accel.cli import main
 from accel.testing import run_world
-from tests.dist.test_sharded_io_dist import TIMEOUT, Tiny, _save_state_sharded
+from tests.dist.test_sharded_io_dist import TIMEOUT, _save_state_sharded
+from tests.models import Uneven
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -313,7 +314,7 @@ def test_merge_weights_of_an_intact_checkpoint_leaves_the_source_untouched(
     assert code == 0, text
     assert _tree(tmp_path / "ckpts", skip=None) == before
     assert (dst / "notes.txt").read_text() == "the user's own file\n"
-    model = Tiny()
+    model = Uneven()
     assert accel.load_checkpoint_in_model(model, dst) == accel.LoadResult([], [])
     for k, v in model.state_dict().items():
         assert torch.equal(v, built[1][k]), k
@@ -321,7 +322,7 @@ def test_merge_weights_of_an_intact_checkpoint_leaves_the_source_untouched(
     shutil.copytree(src / "dcp", bare)
     code, text = _merge([str(bare), str(tmp_path / "from-bare"), "--model", "model"], capsys)
     assert code == 0, text
-    model = Tiny()
+    model = Uneven()
     accel.load_checkpoint_in_model(model, tmp_path / "from-bare")
     for k, v in model.state_dict().items():
         assert torch.equal(v, built[1][k]), k
