@@ -69,7 +69,7 @@ def test_checksum_write_writes_every_byte_and_checksums_what_it_wrote(
 def test_crc32_into_copies_every_byte_and_checksums_the_copy(
     monkeypatch: pytest.MonkeyPatch, size: int, chunk: int
 ) -> None:
-    from accel.checkpoint import _crc32
+    from accel._safetensors import crc32 as _crc32
 
     monkeypatch.setattr(_crc32, "PIECE", 5)  # several pieces per chunk
     data = random.Random(size + chunk).randbytes(size)
