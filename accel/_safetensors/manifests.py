@@ -1,6 +1,9 @@
 """accel's manifest: the sizes and crc32 of every file of a published folder, written last.
 
-A folder with a manifest is complete; a reader checks each file it reads against its entry.
+A folder with a manifest is complete; a reader checks each file it reads against its entry,
+with `check_file` (which reads the file) or, where the reader checksums the bytes it reads
+anyway (while copying them, piece by piece, split across ranks), with `check_sum`. Either way
+a mismatch is one `CorruptFileError` with one message.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from accel._safetensors.crc32 import crc32
+from accel._safetensors.header import CorruptFileError
 
 MANIFEST = "accel-manifest.json"
 FORMAT = 1
@@ -79,3 +83,48 @@ def expected(manifest: dict[str, Any], rel: str) -> tuple[int, int] | None:
     """(size, crc32) the manifest recorded for `rel`, or None when it lists no such file."""
     entry = manifest["files"].get(rel)
     return None if entry is None else (int(entry[0]), int(entry[1]))
+
+
+def check_sum(
+    fn: str, path: Path, expect: tuple[int, int], size: int, crc: int | None = None
+) -> None:
+    """Refuse `path` when its `size`, or its `crc` once computed, differs from `expect`, the
+    (size, crc32) its manifest recorded (`expected`).
+
+    For a reader that checksums the bytes as it reads them: it checks the size before it
+    reads (`crc=None`) and the checksum after.
+
+    Raises:
+        CorruptFileError: naming the file, what was found and what the manifest recorded.
+    """
+    if size == expect[0] and (crc is None or crc == expect[1]):
+        return
+    found = f"size {size}" if crc is None else f"size {size}, crc32 {crc:#010x}"
+    raise CorruptFileError(
+        f"{fn}: {str(path)!r} fails its checksum ({found}; the manifest recorded size "
+        f"{expect[0]}, crc32 {expect[1]:#010x}); the file is corrupt, truncated or was "
+        "replaced. Load an earlier checkpoint."
+    )
+
+
+def check_file(fn: str, path: Path, manifest: dict[str, Any], rel: str) -> None:
+    """Refuse `path` unless its size and crc32 equal the entry of `rel` (its path relative to
+    the manifest's folder) in `manifest` (`read_manifest`).
+
+    Reads the file once (memory-mapped, checksummed on several threads), after a size check
+    that reads nothing. A caller that reads the bytes anyway checksums them itself and calls
+    `check_sum`.
+
+    Raises:
+        CorruptFileError: the manifest lists no `rel`, or the file differs from its entry.
+        FileNotFoundError: the file does not exist.
+    """
+    expect = expected(manifest, rel)
+    if expect is None:
+        raise CorruptFileError(
+            f"{fn}: {str(path)!r} is not listed in its folder's {MANIFEST} ({rel!r}), so it "
+            "cannot be verified; the folder was changed after it was saved. Load an earlier "
+            "checkpoint."
+        )
+    check_sum(fn, path, expect, path.stat().st_size)
+    check_sum(fn, path, expect, *checksum_file(path))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from accel._dtensor import has_dtensors, is_sharded
-from accel._groups import barrier
+from accel._groups import every_rank_step
 from accel._safetensors import manifests
 from accel._safetensors.files import resolve_checkpoint
 from accel._size import parse_size
@@ -135,10 +135,12 @@ def save_model(
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(inner, options=options)
-    if ctx.is_main:
-        write_model_files(Path(directory), state, max_bytes)
-    if ctx.world_size > 1:
-        barrier(ctx, fn)
+
+    def write() -> None:
+        if ctx.is_main:
+            write_model_files(Path(directory), state, max_bytes)
+
+    every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
 
 
 def _check_model(fn: str, model: object) -> None:

@@ -19,13 +19,14 @@ import shutil
 import socket
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from accel._groups import describe, reported
 from accel._safetensors.manifests import FORMAT, MANIFEST, read_manifest
 from accel._version import __version__
 
@@ -241,28 +242,6 @@ def _named(fn: str, final: Path, err: BaseException) -> BaseException:
             "permissions, then save again.",
         )
     return err
-
-
-def describe(err: BaseException) -> tuple[int, str]:
-    """A rank's error as it travels to the other ranks (in a marker file or a gather): its
-    errno (0 for an error that is not the system's) and a text naming its file."""
-    if isinstance(err, OSError):
-        where = f" ({err.filename})" if err.filename else ""
-        return err.errno or errno.EIO, f"{err.strerror or err}{where}"
-    return 0, f"{type(err).__name__}: {err}"
-
-
-def reported(message: str, code: int) -> Exception:
-    """The error to raise for another rank's `describe`d one, with `message`."""
-    return OSError(code, message) if code else RuntimeError(message)
-
-
-def raise_first(reports: Sequence[tuple[int, str] | None]) -> None:
-    """Raise the first rank's `describe`d error, if any: every rank that gathered the same
-    reports raises alike."""
-    for rank, report in enumerate(reports):
-        if report is not None:
-            raise reported(f"rank {rank}: {report[1]}", report[0])
 
 
 def failed_marker(staging: Path, rank: int) -> Path:

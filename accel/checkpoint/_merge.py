@@ -253,11 +253,8 @@ def _read_metadata(folder: Path, sums: Sums | None) -> Any:
         )
     _check_file(path, None if expect is None else expect[0], folder)
     data = path.read_bytes()
-    if expect is not None and (len(data), zlib.crc32(data)) != expect:
-        raise CorruptFileError(
-            f"{_FN}: {str(path)!r} fails its checksum (crc32 {zlib.crc32(data):#010x}, manifest "
-            f"says {expect[1]:#010x}); the file is corrupt. {_EARLIER}"
-        )
+    if expect is not None:
+        manifests.check_sum(_FN, path, expect, len(data), zlib.crc32(data))
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         storage = metadata.storage_data
@@ -298,11 +295,7 @@ def _verify_ranges(path: Path, ranges: dict[tuple[int, int], int], expect: tuple
             crc = _extend(f, crc, pos, offset)
             crc, pos = combine(crc, part, length), offset + length
         crc = _extend(f, crc, pos, expect[0])
-    if crc != expect[1]:
-        raise CorruptFileError(
-            f"{_FN}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
-            f"{expect[1]:#010x}); the file is corrupt. {_EARLIER}"
-        )
+    manifests.check_sum(_FN, path, expect, path.stat().st_size, crc)
 
 
 def _extend(f: Any, crc: int, lo: int, hi: int) -> int:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from accel._dtensor import is_dtensor, is_sharded
+from accel._groups import describe
 from accel._safetensors import manifests
 from accel._safetensors.exports import JOURNAL, OWN_FILES, export_lock, write_journal
 from accel._safetensors.exports import complete as complete_export
@@ -250,7 +251,7 @@ def partials_removed_on_failure(fn: str, directory: Path, names: Iterable[str]) 
         if isinstance(err, OSError) and err.errno:
             raise OSError(
                 err.errno,
-                f"{fn}: writing into {str(directory)!r} failed: {_atomic.describe(err)[1]}. The "
+                f"{fn}: writing into {str(directory)!r} failed: {describe(err)[1]}. The "
                 "partial files were removed and the folder's files are as they were; free "
                 "space (or lift the file-size limit), then save again.",
             ) from err

@@ -27,12 +27,12 @@ from accel._safetensors.crc32 import PIECE, crc32
 from accel._safetensors.header import (
     DTYPES,
     ITEMSIZE,
-    CorruptFileError,
     header_length,
     looks_like_pickle,
     parse_header,
     pickle_error,
 )
+from accel._safetensors.manifests import check_sum
 from accel.checkpoint._atomic import fsync_path, write_at
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
@@ -200,11 +200,8 @@ def read_file(
     rotation deletes it.
     """
     size = path.stat().st_size
-    if expected is not None and size != expected[0]:
-        raise CorruptFileError(
-            f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {expected[0]}; "
-            "the file is truncated or was replaced. Load an earlier checkpoint."
-        )
+    if expected is not None:
+        check_sum(fn, path, expected, size)  # before anything is read
     if size == 0:
         return parse(fn, path, torch.empty(0, dtype=torch.uint8))
     with open(path, "rb") as f:
@@ -221,11 +218,7 @@ def read_file(
     else:
         crc = crc32(mapped_view, chunk=CHUNK)
     mapped_view.release()
-    if crc != expected[1]:
-        raise CorruptFileError(
-            f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
-            f"{expected[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
-        )
+    check_sum(fn, path, expected, size, crc)
     return parse(fn, path, buf)
 
 

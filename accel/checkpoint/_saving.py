@@ -9,9 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from accel._groups import global_rank, named_collective, require_group
+from accel._groups import every_rank_step, require_group
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._state_io import classify, finish, snapshot, write_rank_files
 from accel.context import RunContext
@@ -72,10 +70,7 @@ def start_save(
     if ctx.is_main:
         _atomic.sweep(final.parent)
     with _atomic.removed_on_failure(fn, staging, final):  # elsewhere: a name never created
-        if ctx.is_main:
-            staging.mkdir(parents=True)
-        if ctx.world_size > 1:  # every rank writes into the folder rank 0 made
-            staging = _agree_on(ctx, fn, staging)
+        staging = _agree_on(ctx, fn, staging)  # every rank writes into the folder rank 0 made
     with _atomic.removed_on_failure(fn, staging, final):
         if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
             models = dict(plan.dcp_models)
@@ -102,11 +97,8 @@ def start_save(
         if ctx.is_main and after_publish is not None:
             after_publish()
 
-    if blocking:
-        if ctx.world_size == 1:
-            job()
-        else:  # every rank returns only once the checkpoint is published, or every rank raises
-            _run_and_share_outcome(ctx, fn, job)
+    if blocking:  # every rank returns once the checkpoint is published, or every rank raises
+        every_rank_step(ctx, fn, job)
         return CheckpointHandle(final, None)
     handle = CheckpointHandle(final, None)
 
@@ -122,33 +114,18 @@ def start_save(
     return handle
 
 
-def _run_and_share_outcome(ctx: RunContext, fn: str, job: Callable[[], None]) -> None:
-    """Run `job`, then gather every rank's outcome (the closing barrier of a blocking save):
-    a rank whose job failed raises its error; the others raise the first failing rank's, so
-    no rank returns from a save that was not published."""
-    error: Exception | None = None
-    try:
-        job()
-    except Exception as err:  # shared below, then raised
-        error = err
-    mine = None if error is None else _atomic.describe(error)
-    everyone: list[Any] = [None] * ctx.world_size
-    with named_collective(ctx, fn):
-        dist.all_gather_object(everyone, mine, group=require_group(ctx, fn))
-    if error is not None:
-        raise error
-    failed = [r for r, outcome in enumerate(everyone) if outcome is not None]
-    if failed:  # a rank's own error before rank 0's, which only relays it
-        rank = ([r for r in failed if r != 0] or failed)[0]
-        code, message = everyone[rank]
-        raise _atomic.reported(f"rank {rank} failed, so nothing was published: {message}", code)
-
-
 def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:
-    box: list[Any] = [str(staging)]
-    with named_collective(ctx, fn):
-        dist.broadcast_object_list(box, src=global_rank(ctx, 0), group=require_group(ctx, fn))
-    return Path(box[0])
+    """Rank 0 creates its staging folder; every rank learns its name, or rank 0's error."""
+
+    def create() -> str | None:
+        if not ctx.is_main:
+            return None
+        staging.mkdir(parents=True)
+        return str(staging)
+
+    made = every_rank_step(ctx, fn, create)[0]
+    assert made is not None, "rank 0 returns the folder it made"
+    return Path(made)
 
 
 def group_of(ctx: RunContext, fn: str) -> Any:

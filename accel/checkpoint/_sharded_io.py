@@ -31,6 +31,7 @@ from accel._dtensor import is_dtensor
 from accel._safetensors.crc32 import combine
 from accel._safetensors.files import CheckpointFiles
 from accel._safetensors.header import DTYPES, CorruptFileError, TensorEntry, read_header
+from accel._safetensors.manifests import check_sum
 from accel.checkpoint._model_io import check_against_model
 
 # A contiguous byte run: (offset in the tensor's bytes in the file, offset in the local slice,
@@ -197,16 +198,7 @@ def verify(fn: str, files: Sequence[Path], expected: Mapping[Path, tuple[int, in
     for path, (size, crc) in zip(checked, split_checksums(checked), strict=True):
         want = expected[path]
         assert want is not None
-        if size != want[0]:
-            raise CorruptFileError(
-                f"{fn}: {str(path)!r} has {size} bytes but the manifest recorded {want[0]}; "
-                "the file is truncated or was replaced. Load an earlier checkpoint."
-            )
-        if crc != want[1]:
-            raise CorruptFileError(
-                f"{fn}: {str(path)!r} fails its checksum (crc32 {crc:#010x}, manifest says "
-                f"{want[1]:#010x}); the file is corrupt. Load an earlier checkpoint."
-            )
+        check_sum(fn, path, want, size, crc)
 
 
 # ------------------------------------------------------------------------------ loading

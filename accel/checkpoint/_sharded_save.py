@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from accel._dtensor import is_dtensor
-from accel._groups import barrier, require_group
+from accel._groups import barrier, every_rank_step, require_group
 from accel._safetensors.crc32 import combine, usable_cpus
 from accel._safetensors.exports import export_lock
-from accel.checkpoint._atomic import describe, fsync_path, raise_first, write_at
+from accel.checkpoint._atomic import fsync_path, write_at
 from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (
@@ -37,8 +36,6 @@ from accel.context import RunContext
 
 Piece = tuple[int, int, int]
 """A byte run a rank wrote into a file: (offset, length, crc32 of its bytes)."""
-Failure = tuple[int, str] | None
-"""A rank's write error, shared with every rank (`_atomic.describe`), or None."""
 _MAX_COMBINED = 4096  # runs per file past which reading the file back checksums it faster
 
 
@@ -134,35 +131,32 @@ def save_sharded(
     combine into each file's checksum; otherwise the
     tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
     `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
-    renames into place, index and manifest. A write error on any rank is raised on every rank
-    (it travels in the save's own gathers); the partial files are then removed.
+    renames into place, index and manifest. An error on any rank is raised on every rank
+    (`every_rank_step`: it travels in the save's own gathers); the partial files are then
+    removed.
     """
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
     paths = [partial_path(directory / name) for name, _ in layout]
-    with ExitStack() as lock, partials_removed_on_failure(fn, directory, [n for n, _ in layout]):
-        failure: Failure = None
-        if ctx.is_main:
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                lock.enter_context(export_lock(directory))  # held by rank 0 until published
-                for path, (_, tensors) in zip(paths, layout, strict=True):
-                    presize(path, tensors, FILE_METADATA)
-            except OSError as err:  # told to every rank by the survey, which raises on each
-                failure = describe(err)
-        barrier(ctx, fn)
-        sums = _write_all_ranks(ctx, paths, layout, group, failure)
-        published: OSError | None = None
-        if ctx.is_main:
-            try:
+    with ExitStack() as lock:  # rank 0 holds the export lock until the files are published
+        with partials_removed_on_failure(fn, directory, [name for name, _ in layout]):
+            created: Exception | None = None
+            if ctx.is_main:
+                try:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    lock.enter_context(export_lock(directory))
+                    for path, (_, tensors) in zip(paths, layout, strict=True):
+                        presize(path, tensors, FILE_METADATA)
+                except Exception as err:  # told to every rank by the survey, which raises on each
+                    created = err
+            barrier(ctx, fn)
+            sums = _write_all_ranks(ctx, paths, layout, group, created)
+
+        def finish() -> None:  # publish removes the partial files itself when it fails
+            if ctx.is_main:
                 publish(lambda path, **_: sums[path])
-            except OSError as err:  # publish removed the partial files; its error names the folder
-                published = err
-    everyone: list[Any] = [None] * ctx.world_size  # the closing barrier, telling the outcome
-    dist.all_gather_object(everyone, published and describe(published), group=group)
-    if published is not None:
-        raise published
-    raise_first(everyone)
+
+        every_rank_step(ctx, fn, finish)  # the closing barrier, telling every rank the outcome
 
 
 def _write_all_ranks(
@@ -170,59 +164,52 @@ def _write_all_ranks(
     paths: Sequence[Path],
     layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
     group: Any,
-    failure: Failure,
+    created: Exception | None,
 ) -> dict[Path, tuple[int, int]]:
     """Every rank writes its slices into the pre-sized `paths` (or streams them to rank 0 where
     the ranks do not share the files); return each file's (size, crc32).
 
-    A write error on any rank (`failure`: rank 0's in creating the files) is raised on every
-    rank after the next collective of the save, so that no rank waits for one that gave up.
+    A write error on any rank (`created`: rank 0's in creating the files) is raised on every
+    rank by the next collective of the save, so that no rank waits for one that gave up.
     """
-    shared, machines = _survey(ctx, paths, group, failure)
+    shared, machines = _survey(ctx, paths, created)
     if not shared:
-        return _stream_to_main(ctx, paths, layout, group)
+        return _stream_to_main(ctx, paths, layout)
     peers = [r for r, m in enumerate(machines) if m == machines[ctx.rank]]
     # A helper thread checksums while the rank writes, as a one-process save does, when the
     # machine has a core for it; with as many ranks as cores it would only contend.
     spare = usable_cpus() >= 2 * len(peers)
-    pieces: list[list[Piece] | None] = []
-    try:
+
+    def write() -> list[list[Piece] | None]:
         pieces = [
             write_slices(path, tensors, FILE_METADATA, is_main=ctx.is_main, spare_core=spare)
             for path, (_, tensors) in zip(paths, layout, strict=True)
         ]
         for path in paths[peers.index(ctx.rank) :: len(peers)]:
             fsync_path(path)  # flushes every rank's pages of the file on this machine
-    except OSError as err:  # a full disk, say: every rank raises it after the gather below
-        failure = describe(err)
+        return pieces
+
+    everyone = every_rank_step(ctx, "save_model", write)  # a full disk fails every rank
     sizes = [file_size(tensors, FILE_METADATA) for _, tensors in layout]
-    return _file_checksums(ctx, dict(zip(paths, sizes, strict=True)), pieces, group, failure)
+    return _file_checksums(dict(zip(paths, sizes, strict=True)), everyone, group)
 
 
 def _file_checksums(
-    ctx: RunContext,
-    paths: Mapping[Path, int],
-    pieces: list[list[Piece] | None],
-    group: Any,
-    failure: Failure = None,
+    paths: Mapping[Path, int], everyone: Sequence[Sequence[list[Piece] | None]], group: Any
 ) -> dict[Path, tuple[int, int]]:
     """(size, crc32) of each file (path -> its size) from the checksums of the runs every rank
-    wrote.
+    wrote (`everyone`: each rank's runs of each file).
 
     The runs of a file, sorted, must tile it exactly; they then combine into the file's
     checksum with no byte read back. A file they do not tile (nothing written into a gap), or
     cut into so many runs that combining them costs more than reading (column slices, one run
     per row), is checksummed by reading it back, split across ranks.
     """
-    gathered: list[Any] = [None] * ctx.world_size  # a sharded model has a group, as in _survey
-    dist.all_gather_object(gathered, (pieces, failure), group=group)
-    raise_first([f for _, f in gathered])
-    everyone = [p for p, _ in gathered]
     sums: dict[Path, tuple[int, int]] = {}
     for i, (path, size) in enumerate(paths.items()):
         if any(rank_pieces[i] is None for rank_pieces in everyone):
             continue
-        runs = sorted(run for rank_pieces in everyone for run in rank_pieces[i])
+        runs = sorted(run for rank_pieces in everyone for run in rank_pieces[i] or ())
         total = sum(length for _, length, _ in runs)
         tiled = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(runs))
         if runs and runs[0][0] == 0 and tiled and total == size:
@@ -237,16 +224,15 @@ def _file_checksums(
 
 
 def _survey(
-    ctx: RunContext, paths: Sequence[Path], group: Any, failure: Failure = None
+    ctx: RunContext, paths: Sequence[Path], created: Exception | None = None
 ) -> tuple[bool, list[str]]:
     """Whether every rank sees the files rank 0 created (one filesystem for all), and which
     machine each rank runs on (a page cache is per machine, so one fsync there flushes the
-    pages every rank of that machine wrote). Raises a rank's `failure` on every rank."""
-    seen = all(p.is_file() for p in paths)
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, (seen, _machine(), failure), group=group)
-    raise_first([f for _, _, f in everyone])
-    return all(s for s, _, _ in everyone), [m for _, m, _ in everyone]
+    pages every rank of that machine wrote). Raises rank 0's error in `created` on every rank."""
+    everyone = every_rank_step(
+        ctx, "save_model", lambda: (all(p.is_file() for p in paths), _machine()), failed=created
+    )
+    return all(s for s, _ in everyone), [m for _, m in everyone]
 
 
 def _machine() -> str:
@@ -258,7 +244,6 @@ def _stream_to_main(
     ctx: RunContext,
     paths: Sequence[Path],
     layout: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
-    group: Any,
 ) -> dict[Path, tuple[int, int]]:
     """Ranks without the files: gather one tensor at a time (`full_tensor`, a collective every
     rank joins), which rank 0 writes in place. Return each file's (size, crc32).
@@ -267,7 +252,7 @@ def _stream_to_main(
     raises it on every rank.
     """
     sums = {}
-    failure: Failure = None
+    failure: OSError | None = None
     for path, (_, tensors) in zip(paths, layout, strict=True):
         head = header_bytes(tensors, FILE_METADATA)
         crc, offset = zlib.crc32(head), len(head)
@@ -276,7 +261,7 @@ def _stream_to_main(
             if ctx.is_main and failure is None:
                 fd = os.open(path, os.O_WRONLY)
         except OSError as err:  # from here on rank 0 only joins the collectives
-            failure = describe(err)
+            failure = err
         try:
             for t in tensors.values():
                 whole = t.full_tensor() if is_dtensor(t) else t  # one tensor at a time
@@ -285,19 +270,17 @@ def _stream_to_main(
                     try:
                         write_at(fd, data, offset, path)
                     except OSError as err:  # a full disk, say
-                        failure = describe(err)
+                        failure = err
                     crc, offset = zlib.crc32(data, crc), offset + len(data)
                 del whole
             if fd >= 0 and failure is None:
                 try:
                     os.fsync(fd)
                 except OSError as err:
-                    failure = describe(err)
+                    failure = err
         finally:
             if fd >= 0:
                 os.close(fd)
         sums[path] = (offset, crc)
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, failure, group=group)
-    raise_first(everyone)
+    every_rank_step(ctx, "save_model", lambda: None, failed=failure)
     return sums

@@ -252,11 +252,9 @@ def _read(
             )
     path = directory / json_rel
     raw = path.read_bytes()
-    if (len(raw), zlib.crc32(raw)) != manifests.expected(manifest, json_rel):
-        raise ValueError(
-            f"{fn}: {str(path)!r} fails its size/checksum check; the file is corrupt. Load an "
-            "earlier checkpoint."
-        )
+    expect = manifests.expected(manifest, json_rel)
+    assert expect is not None, "checked above"
+    manifests.check_sum(fn, path, expect, len(raw), zlib.crc32(raw))
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
@@ -397,14 +395,9 @@ def _apply_grads(model: Any, grads: dict[str, torch.Tensor] | None) -> None:
 
 
 def _verify_dcp(fn: str, directory: Path, manifest: dict[str, Any]) -> None:
-    for rel, (size, crc) in manifest["files"].items():
+    for rel in manifest["files"]:
         if rel.startswith(f"{_dcp.DCP_DIR}/"):
-            path = directory / rel
-            if not path.is_file() or manifests.checksum_file(path) != (size, crc):
-                raise ValueError(
-                    f"{fn}: {str(path)!r} is missing or fails its checksum; the checkpoint is "
-                    "corrupt. Load an earlier checkpoint."
-                )
+            manifests.check_file(fn, directory / rel, manifest, rel)
 
 
 def _read_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any]) -> Any:

@@ -5,6 +5,7 @@ Each `run_world` is a fresh set of processes, so "resumed in a new process" is l
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 
 import accel
 from accel import PerRank, RunContext
+from accel._safetensors.header import CorruptFileError
 from accel.testing import run_world
 
 pytestmark = pytest.mark.dist
@@ -182,6 +184,13 @@ def test_ddp_per_rank_state_and_fsdp2_across_world_sizes(tmp_path: Path) -> None
     hf = _mlp()
     accel.load_checkpoint_in_model(hf, f"{tmp}/hf")
     _assert_same(dict(hf.state_dict()), full_model)
+    # A flipped byte in a DCP shard is refused as any other checkpoint file is, before loading.
+    shard = sorted((tmp_path / "fsdp2" / "dcp").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match=re.escape(repr(str(shard))) + " fails its checksum"):
+        accel.load_state(RunContext.single(), f"{tmp}/fsdp2", model=_mlp())
 
 
 # ------------------------------------------------------------------------ exact resume
