@@ -63,6 +63,9 @@ from accel.logging import (
     RankLogger,
     get_logger,
 )
+from accel.notebook import (
+    notebook_launch,
+)
 from accel.parallel import (
     DDPOptions,
     FSDPOptions,
@@ -160,6 +163,7 @@ __all__ = [
     "log_metrics",
     "main_process_first",
     "make_scaler",
+    "notebook_launch",
     "num_flops_per_token",
     "num_items_in_batch",
     "on_last_process",

@@ -53,6 +53,7 @@ PUBLIC_API = [
     "log_metrics",
     "main_process_first",
     "make_scaler",
+    "notebook_launch",
     "num_flops_per_token",
     "num_items_in_batch",
     "on_last_process",
