@@ -57,18 +57,15 @@ from accel.data import (
     shard_loader,
 )
 from accel.distributed import (
-    any_rank,
     init_distributed,
-    main_process_first,
-    on_main_process,
-    run_on_main,
     shutdown,
-    split_between_processes,
-    wait_for_everyone,
 )
 from accel.logging import (
     RankLogger,
     get_logger,
+)
+from accel.notebook import (
+    notebook_launch,
 )
 from accel.parallel import (
     DDPOptions,
@@ -85,10 +82,29 @@ from accel.precision import (
     optimizer_step,
     scaled_backward,
 )
+from accel.process_control import (
+    any_rank,
+    local_main_process_first,
+    main_process_first,
+    on_last_process,
+    on_local_main_process,
+    on_main_process,
+    on_process,
+    run_on_main,
+    split_between_processes,
+    wait_for_everyone,
+)
+from accel.profiling import (
+    profile,
+)
 from accel.seeding import (
     get_rng_state,
     set_rng_state,
     set_seed,
+)
+from accel.throughput import (
+    num_flops_per_token,
+    throughput_metrics,
 )
 from accel.tracking import (
     JSONLTracker,
@@ -144,14 +160,21 @@ __all__ = [
     "load_checkpoint_in_model",
     "load_config",
     "load_state",
+    "local_main_process_first",
     "log_hparams",
     "log_metrics",
     "main_process_first",
     "make_scaler",
+    "notebook_launch",
+    "num_flops_per_token",
     "num_items_in_batch",
+    "on_last_process",
+    "on_local_main_process",
     "on_main_process",
+    "on_process",
     "optimizer_step",
     "pad_across_processes",
+    "profile",
     "progress",
     "reduce",
     "remove_hooks",
@@ -166,6 +189,7 @@ __all__ = [
     "should_sync",
     "shutdown",
     "split_between_processes",
+    "throughput_metrics",
     "unwrap_model",
     "wait_for_everyone",
     "wrap_model",

@@ -178,6 +178,11 @@ class RunContext:
         return self.local_rank == 0
 
     @property
+    def is_last(self) -> bool:
+        """True on the last global rank, `world_size - 1` (rank 0 on one process)."""
+        return self.rank == self.world_size - 1
+
+    @property
     def is_distributed(self) -> bool:
         """True when the run has more than one process."""
         return self.world_size > 1

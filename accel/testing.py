@@ -23,11 +23,13 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from accel._exit import drain_gloo_workers, register_exit_guard
 from accel._mesh import with_mesh
+from accel._typing import Backend
 from accel.context import Parallelism, RunContext
 
 __all__ = ["RemoteTraceback", "run_world"]
@@ -48,6 +50,7 @@ def _worker(
     timeout_s: float,
     outdir: str,
     parallelism: Parallelism | None,
+    device_type: str = "cpu",
 ) -> None:
     # A process group of its own: killing the rank at the deadline takes the DataLoader workers
     # (and any other children) it started with it.
@@ -58,10 +61,15 @@ def _worker(
     mp.set_start_method(None, force=True)
     out = Path(outdir)
     timeout = timedelta(seconds=timeout_s)
+    # notebook_launch on GPUs: a forked rank per GPU, over NCCL.
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    backend: Backend = "nccl" if device_type == "cuda" else "gloo"
     try:
+        if device_type == "cuda":
+            torch.cuda.set_device(device)
         store = TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         # A step that never calls an accel collective (say, tensor parallelism through DTensor
         # alone) would otherwise leave gloo's threads running at exit: pytorch/pytorch#190489.
@@ -71,7 +79,8 @@ def _worker(
         raise SystemExit(1) from None
     ctx = RunContext(
         rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-        backend="gloo", timeout=timeout, sources={"process_group": "accel.testing.run_world"},
+        device=device, backend=backend, timeout=timeout,
+        sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
         # Unpickled here rather than by multiprocessing before this function runs, so a function
@@ -151,7 +160,8 @@ def run_world(
 
     Raises:
         Whatever the first failing rank raised (its traceback attached as the cause), or
-        TimeoutError naming the ranks still running at the deadline.
+        TimeoutError naming the ranks still running at the deadline; ValueError for a `fn`
+        defined in a notebook cell (run it with `accel.notebook_launch`, which forks).
 
     Example:
         >>> from accel import gather
@@ -171,20 +181,58 @@ def run_world(
                 "e.g. parallelism=Parallelism(tp=2)."
             )
         parallelism.resolve(world_size)  # sizes that cannot fill the world fail here, once
+    _check_importable("run_world", fn)
+    return _start_world(fn, world_size, timeout, tuple(args), parallelism)
+
+
+def _check_importable(caller: str, fn: Callable[..., Any]) -> None:
+    """Refuse a function a spawned process cannot import: one defined in a notebook cell or an
+    interactive session, whose `__main__` the child does not have."""
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"{caller}: fn={getattr(fn, '__qualname__', fn)!r} is defined in an interactive "
+            "session (a notebook cell), which spawned processes cannot import; move it into a "
+            "module, or run it with accel.notebook_launch(fn, ...), which forks."
+        )
+
+
+def _start_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    timeout: float,
+    args: tuple[Any, ...],
+    parallelism: Parallelism | None,
+    *,
+    start_method: str = "spawn",
+    device_type: str = "cpu",
+    caller: str = "run_world",
+) -> list[Any]:
+    """The machinery of `run_world` and `accel.notebook_launch`, arguments already checked:
+    the store on port 0, one process per rank, the deadline, the first error re-raised."""
     try:
         call = pickle.dumps((fn, tuple(args)))
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise TypeError(
-            f"run_world: fn={fn!r} (with its args) cannot be sent to the spawned ranks ({err}); "
+            f"{caller}: fn={fn!r} (with its args) cannot be sent to the spawned ranks ({err}); "
             "define fn at the top level of an importable module and pass picklable args."
         ) from err
-    spawn = mp.get_context("spawn")
+    start: Any = mp.get_context(start_method)
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="accel-run-world-") as outdir:
         procs = [
-            spawn.Process(
+            start.Process(
                 target=_worker,
-                args=(call, rank, world_size, store.port, timeout, outdir, parallelism),
+                args=(
+                    call,
+                    rank,
+                    world_size,
+                    store.port,
+                    timeout,
+                    outdir,
+                    parallelism,
+                    device_type,
+                ),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below
                 # kills what is left of every rank, children included.
@@ -195,7 +243,7 @@ def run_world(
         for p in procs:
             p.start()
         try:
-            _join(procs, timeout, Path(outdir))
+            _join(procs, timeout, Path(outdir), caller)
         finally:
             for p in procs:
                 if p.is_alive() or p.exitcode != 0:
@@ -215,14 +263,14 @@ def _kill_tree(proc: Any) -> None:
             proc.kill()
 
 
-def _join(procs: list[Any], timeout: float, outdir: Path) -> None:
+def _join(procs: list[Any], timeout: float, outdir: Path, caller: str) -> None:
     deadline = time.monotonic() + timeout
     running = {p.sentinel: rank for rank, p in enumerate(procs)}
     while running:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(
-                f"run_world: ranks {sorted(running.values())} were still running after "
+                f"{caller}: ranks {sorted(running.values())} were still running after "
                 f"timeout={timeout}s; they were killed. A rank is probably waiting in a "
                 "collective the others never called."
             )

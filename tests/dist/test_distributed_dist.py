@@ -31,8 +31,12 @@ from accel import (
     broadcast,
     gather,
     get_logger,
+    local_main_process_first,
     main_process_first,
+    on_last_process,
+    on_local_main_process,
     on_main_process,
+    on_process,
     reduce,
     run_on_main,
     set_seed,
@@ -130,6 +134,7 @@ def _processes(ctx: RunContext, tmp: str) -> dict[str, Any]:
 
     out["on_main_process"] = decorated(4)
     out["run_on_main"] = run_on_main(ctx, pow, 2, 5)
+    out.update(_local_and_other_ranks(ctx, d))
     items = list(range(7))
     out["split"] = split_between_processes(ctx, items)
     out["split_pad"] = split_between_processes(ctx, items, pad=True)
@@ -156,6 +161,46 @@ def _processes(ctx: RunContext, tmp: str) -> dict[str, Any]:
     shutdown(ctx)
     out["initialized_after_shutdown"] = dist.is_initialized()
     return out
+
+
+def _local_and_other_ranks(ctx: RunContext, d: Path) -> dict[str, Any]:
+    # Two processes per machine: at 4 ranks, two machines whose local mains are ranks 0 and 2.
+    r, n = ctx.rank, ctx.world_size
+    per_node = min(n, 2)
+    local = dataclasses.replace(
+        ctx, local_rank=r % per_node, local_world_size=per_node, node_rank=r // per_node,
+        num_nodes=n // per_node,
+    )  # fmt: skip
+    # local_main_process_first: every local main is inside its body at once (rank 0 waits
+    # there for the other machine's local main, which would never come if it were held), and
+    # the other ranks enter only after they have left.
+    if not local.is_local_main:
+        (d / f"local_gate{r}").write_text("")
+    with local_main_process_first(local):
+        _append(d / "local_first.log", f"enter {r}")
+        if local.is_local_main:
+            (d / f"local_in{r}").write_text("")
+            for k in range(0, n, per_node):
+                _wait_for(d / f"local_in{k}", timeout_s=30)
+            for k in range(n):
+                if k % per_node:
+                    _wait_for(d / f"local_gate{k}", timeout_s=30)
+        _append(d / "local_first.log", f"exit {r}")
+    try:
+        with local_main_process_first(local):
+            if local.is_local_main and local.node_rank == local.num_nodes - 1:
+                raise KeyError("a local main failed inside local_main_process_first")
+    except KeyError:
+        raised = True
+    else:
+        raised = False
+    wait_for_everyone(ctx)
+    return {
+        "local_raised": raised,
+        "on_local_main": on_local_main_process(local)(lambda: r)(),
+        "on_last": on_last_process(ctx)(lambda: r)(),
+        "on_process": [on_process(ctx, k)(lambda: r)() for k in range(n)],
+    }
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
@@ -192,6 +237,22 @@ def test_main_only_helpers(world: Any) -> None:
     assert [res["on_main_process"] for res in results] == [40] + [None] * (n - 1)
     assert [res["run_on_main"] for res in results] == [32] + [None] * (n - 1)
     assert _lines(tmp / "main_only.log") == ["decorated 0"]
+
+
+def test_local_main_process_first_and_the_other_rank_gates(world: Any) -> None:
+    n, tmp, results = world
+    mains = list(range(0, n, min(n, 2)))
+    lines = _lines(tmp / "local_first.log")
+    first = len(mains) * 2
+    assert sorted(lines[:first]) == sorted(f"{e} {k}" for k in mains for e in ("enter", "exit"))
+    others = [k for k in range(n) if k not in mains]
+    assert sorted(lines[first:]) == sorted(f"{e} {k}" for k in others for e in ("enter", "exit"))
+    assert [res["local_raised"] for res in results] == [k == mains[-1] for k in range(n)]
+    assert [res["on_local_main"] for res in results] == [k if k in mains else None for k in range(n)]
+    assert [res["on_last"] for res in results] == [None] * (n - 1) + [n - 1]
+    assert [res["on_process"] for res in results] == [
+        [k if j == k else None for j in range(n)] for k in range(n)
+    ]
 
 
 SPLITS = {
