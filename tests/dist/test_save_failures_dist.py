@@ -63,7 +63,7 @@ def _outcome(save: Callable[[], Any]) -> str:
 
 
 def _each_save_path(ctx: RunContext, root: str) -> dict[str, str]:
-    from accel.checkpoint import _atomic, _sharded_save, _state_io
+    from accel.checkpoint import _model_io, _sharded_save, _state_io
 
     top = Path(root)
     results = {}
@@ -79,7 +79,8 @@ def _each_save_path(ctx: RunContext, root: str) -> dict[str, str]:
         results["save_model sharded"] = _outcome(lambda: accel.save_model(ctx, sharded, top / "m"))
     with _patched(_sharded_save, "presize", _full, ctx.is_main):  # rank 0 creates the files
         results["save_model create"] = _outcome(lambda: accel.save_model(ctx, sharded, top / "m"))
-    with _patched(_atomic, "write_bytes", _full, ctx.is_main):  # rank 0 writes the index
+    # rank 0 writes the journal that decides the export (its manifest and the files it replaces)
+    with _patched(_model_io, "write_journal", _full, ctx.is_main):
         results["save_model publish"] = _outcome(lambda: accel.save_model(ctx, sharded, top / "m"))
     not_shared = lambda *args: (False, [])  # noqa: E731  # as if each rank had its own disk
     with (
@@ -106,12 +107,12 @@ def test_a_failing_rank_fails_every_save_path_alike_on_every_rank(tmp_path: Path
 
 
 def _unsharded_save_failing_on_main(ctx: RunContext, root: str, where: str) -> str:
-    from accel.checkpoint import _atomic
+    from accel.checkpoint import _model_io
 
     if where == "save_state":  # rank 0 cannot create the staging folder
         with _patched(Path, "mkdir", _full, ctx.is_main):
             return _outcome(lambda: accel.save_state(ctx, Path(root) / "s", m=_mlp()))
-    with _patched(_atomic, "write_bytes", _full, ctx.is_main):  # rank 0 writes the manifest
+    with _patched(_model_io, "write_journal", _full, ctx.is_main):  # rank 0 decides the export
         return _outcome(lambda: accel.save_model(ctx, _mlp(), root))
 
 
