@@ -1,0 +1,80 @@
+"""wrap_model at 2 and 4 gloo ranks: what a model starts from, and activation checkpointing under
+every strategy.
+
+- docs/checkpoints.md's sharded load (`init_empty_weights`, `wrap_model(strategy="fsdp2")`,
+  `load_checkpoint_in_model`) runs as written and gives the checkpoint's values (issue 29, 13).
+- Ranks that built their model from different seeds start training from rank 0's weights under
+  FSDP2 and tensor parallelism, as DDP's broadcast gives (issue 29, 14).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import accel
+from accel import FSDPOptions, Parallelism
+from accel.testing import run_world
+from tests.dist._llama import TP_PLAN, Block, Llama, batches, full_param, lm_loss, make_model
+
+pytestmark = pytest.mark.dist
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full_param(q) for n, q in accel.unwrap_model(model).named_parameters()}
+
+
+def _documented_sharded_load(ctx: accel.RunContext, folder: str, layers: bool) -> Any:
+    # The three lines of docs/checkpoints.md, "Loading pretrained weights into a sharded model".
+    with accel.init_empty_weights():
+        model = Llama()
+    fsdp = FSDPOptions(layer_classes=(Block,)) if layers else None
+    model = accel.wrap_model(ctx, model, strategy="fsdp2", fsdp=fsdp)
+    accel.load_checkpoint_in_model(model, folder)
+    return {"state": _full_state(model), "loss": lm_loss(model, batches(1, 2)[0]).item()}
+
+
+@pytest.mark.parametrize(("world_size", "layers"), [(2, False), (2, True), (4, True)])
+def test_the_documented_sharded_load_gives_the_checkpoints_values(
+    tmp_path: Path, world_size: int, layers: bool
+) -> None:
+    source = make_model(seed=3)
+    accel.save_model(accel.RunContext.single(device="cpu"), source, tmp_path)
+    results = run_world(
+        _documented_sharded_load, world_size=world_size, args=(str(tmp_path), layers)
+    )
+    with torch.no_grad():
+        expected_loss = lm_loss(source, batches(1, 2)[0]).item()
+    for out in results:
+        for name, value in source.named_parameters():
+            assert torch.equal(out["state"][name], value.detach()), name
+        assert out["loss"] == pytest.approx(expected_loss, rel=1e-6)
+
+
+def _per_rank_seed(ctx: accel.RunContext, plan: bool) -> dict[str, Any]:
+    # Each rank seeds differently (a per-rank seed rule), then builds and wraps its model.
+    model = accel.wrap_model(ctx, make_model(seed=100 + ctx.rank), tp_plan=TP_PLAN if plan else None)
+    start = _full_state(model)
+    loss = accel.reduce(accel.along(ctx, "dp"), lm_loss(model, batches(1, 2)[0]), op="mean")
+    return {"start": start, "loss": loss.item()}
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "plan"),
+    [(Parallelism(dp_shard=2), False), (Parallelism(tp=2), True)],
+    ids=["fsdp2", "tp"],
+)
+def test_ranks_seeded_differently_start_from_rank_0s_weights(
+    parallelism: Parallelism, plan: bool
+) -> None:
+    results = run_world(_per_rank_seed, world_size=2, args=(plan,), parallelism=parallelism)
+    rank0 = make_model(seed=100)
+    with torch.no_grad():
+        expected_loss = lm_loss(rank0, batches(1, 2)[0]).item()
+    for out in results:
+        for name, value in rank0.named_parameters():
+            assert torch.equal(out["start"][name], value.detach()), name
+        assert out["loss"] == pytest.approx(expected_loss, rel=1e-5)
