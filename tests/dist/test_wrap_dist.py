@@ -44,7 +44,10 @@ def test_the_documented_sharded_load_gives_the_checkpoints_values(
     source = make_model(seed=3)
     accel.save_model(accel.RunContext.single(device="cpu"), source, tmp_path)
     results = run_world(
-        _documented_sharded_load, world_size=world_size, args=(str(tmp_path), layers)
+        _documented_sharded_load,
+        world_size=world_size,
+        args=(str(tmp_path), layers),
+        timeout=240,
     )
     with torch.no_grad():
         expected_loss = lm_loss(source, batches(1, 2)[0]).item()
@@ -56,7 +59,9 @@ def test_the_documented_sharded_load_gives_the_checkpoints_values(
 
 def _per_rank_seed(ctx: accel.RunContext, plan: bool) -> dict[str, Any]:
     # Each rank seeds differently (a per-rank seed rule), then builds and wraps its model.
-    model = accel.wrap_model(ctx, make_model(seed=100 + ctx.rank), tp_plan=TP_PLAN if plan else None)
+    model = accel.wrap_model(
+        ctx, make_model(seed=100 + ctx.rank), tp_plan=TP_PLAN if plan else None
+    )
     start = _full_state(model)
     loss = accel.reduce(accel.along(ctx, "dp"), lm_loss(model, batches(1, 2)[0]), op="mean")
     return {"start": start, "loss": loss.item()}
@@ -78,3 +83,64 @@ def test_ranks_seeded_differently_start_from_rank_0s_weights(
         for name, value in rank0.named_parameters():
             assert torch.equal(out["start"][name], value.detach()), name
         assert out["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+def _losses_with_and_without_checkpointing(
+    ctx: accel.RunContext, plan: bool, checkpointing: Any
+) -> dict[str, Any]:
+    """Two optimizer steps from the same start, with and without activation checkpointing."""
+    out: dict[str, Any] = {}
+    for name, value in (("plain", False), ("checkpointed", checkpointing)):
+        model = accel.wrap_model(
+            ctx,
+            make_model(seed=4),
+            tp_plan=TP_PLAN if plan else None,
+            activation_checkpointing=value,
+        )
+        calls = [0]  # attention's forward runs twice per step when it is recomputed
+        accel.unwrap_model(model).layers[0].attention.register_forward_pre_hook(
+            lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for tokens in batches(2, 2 * ctx.dp_size):
+            mine = tokens[ctx.dp_rank * 2 : (ctx.dp_rank + 1) * 2]
+            loss = lm_loss(model, mine)
+            accel.scaled_backward(ctx, loss)
+            accel.optimizer_step(ctx, opt)
+            opt.zero_grad()
+            losses.append(accel.reduce(accel.along(ctx, "dp"), loss.detach(), op="mean").item())
+        out[name] = {"losses": losses, "calls": calls[0]}
+    return out
+
+
+def _check_checkpointing(results: list[dict[str, Any]]) -> None:
+    for out in results:
+        assert out["checkpointed"]["losses"] == pytest.approx(out["plain"]["losses"], rel=1e-6)
+        assert out["plain"]["calls"] == 2
+        assert out["checkpointed"]["calls"] == 4  # recomputed in backward
+
+
+@pytest.mark.parametrize("checkpointing", [True, (Block,), ("Block",)], ids=["all", "cls", "name"])
+def test_activation_checkpointing_at_one_process_matches_the_model_without(
+    checkpointing: Any,
+) -> None:
+    ctx = accel.RunContext.single(device="cpu")
+    _check_checkpointing([_losses_with_and_without_checkpointing(ctx, False, checkpointing)])
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "plan"), [(None, False), (Parallelism(tp=2), True)], ids=["ddp", "tp"]
+)
+def test_activation_checkpointing_under_ddp_and_tp_matches_the_model_without(
+    parallelism: Parallelism | None, plan: bool
+) -> None:
+    results = run_world(
+        _losses_with_and_without_checkpointing,
+        world_size=2,
+        args=(plan, True),
+        parallelism=parallelism,
+        timeout=180,
+    )
+    _check_checkpointing(results)
+    assert results[0]["plain"]["losses"] == pytest.approx(results[1]["plain"]["losses"])
