@@ -37,6 +37,7 @@ def _documented_sharded_load(ctx: accel.RunContext, folder: str, layers: bool) -
     return {"state": _full_state(model), "loss": lm_loss(model, batches(1, 2)[0]).item()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "layers"), [(2, False), (2, True), (4, True)])
 def test_the_documented_sharded_load_gives_the_checkpoints_values(
     tmp_path: Path, world_size: int, layers: bool
@@ -67,6 +68,7 @@ def _per_rank_seed(ctx: accel.RunContext, plan: bool) -> dict[str, Any]:
     return {"start": start, "loss": loss.item()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("parallelism", "plan"),
     [(Parallelism(dp_shard=2), False), (Parallelism(tp=2), True)],
@@ -88,13 +90,23 @@ def test_ranks_seeded_differently_start_from_rank_0s_weights(
 def _losses_with_and_without_checkpointing(
     ctx: accel.RunContext, plan: bool, checkpointing: Any
 ) -> dict[str, Any]:
-    """Two optimizer steps from the same start, with and without activation checkpointing."""
+    """Two optimizer steps from the same start, with and without activation checkpointing.
+
+    `checkpointing="FSDPOptions"` asks through the deprecated FSDPOptions field instead.
+    """
     out: dict[str, Any] = {}
+    sharded = ctx.dp_size > 1 and ctx.parallelism is not None
     for name, value in (("plain", False), ("checkpointed", checkpointing)):
+        fsdp = FSDPOptions(layer_classes=(Block,)) if sharded else None
+        if value == "FSDPOptions":
+            with pytest.warns(DeprecationWarning, match=r"activation_checkpointing=True is dep"):
+                fsdp = FSDPOptions(layer_classes=(Block,), activation_checkpointing=True)
+            value = None
         model = accel.wrap_model(
             ctx,
             make_model(seed=4),
             tp_plan=TP_PLAN if plan else None,
+            fsdp=fsdp,
             activation_checkpointing=value,
         )
         calls = [0]  # attention's forward runs twice per step when it is recomputed
@@ -129,16 +141,24 @@ def test_activation_checkpointing_at_one_process_matches_the_model_without(
     _check_checkpointing([_losses_with_and_without_checkpointing(ctx, False, checkpointing)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("parallelism", "plan"), [(None, False), (Parallelism(tp=2), True)], ids=["ddp", "tp"]
+    ("parallelism", "plan", "checkpointing"),
+    [
+        (None, False, True),
+        (Parallelism(tp=2), True, True),
+        (Parallelism(dp_shard=2), False, (Block,)),
+        (Parallelism(dp_shard=2), False, "FSDPOptions"),
+    ],
+    ids=["ddp", "tp", "fsdp2", "fsdp2-deprecated-option"],
 )
-def test_activation_checkpointing_under_ddp_and_tp_matches_the_model_without(
-    parallelism: Parallelism | None, plan: bool
+def test_activation_checkpointing_under_every_strategy_matches_the_model_without(
+    parallelism: Parallelism | None, plan: bool, checkpointing: Any
 ) -> None:
     results = run_world(
         _losses_with_and_without_checkpointing,
         world_size=2,
-        args=(plan, True),
+        args=(plan, checkpointing),
         parallelism=parallelism,
         timeout=180,
     )
