@@ -75,12 +75,16 @@ _FSDP_FIXED: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
 _FSDP_OPTIONS = MappingProxyType(
     {
         "fsdp_reshard_after_forward": "reshard_after_forward",
-        "fsdp_activation_checkpointing": "activation_checkpointing",
         "fsdp_offload_params": "offload_params",
         "fsdp_sync_module_states": "sync_module_states",
     }
 )
-FSDP_KEYS = (*_FSDP_FIXED, *_FSDP_OPTIONS, "fsdp_transformer_layer_cls_to_wrap")
+# Accelerate's FSDP key for what accel applies under every strategy (wrap_model's keyword).
+_FSDP_ACTIVATION_CHECKPOINTING = "fsdp_activation_checkpointing"
+FSDP_KEYS = (
+    *_FSDP_FIXED, *_FSDP_OPTIONS, _FSDP_ACTIVATION_CHECKPOINTING,
+    "fsdp_transformer_layer_cls_to_wrap",
+)  # fmt: skip
 
 _MESH_KEYS = MappingProxyType(
     {
@@ -132,6 +136,14 @@ def fsdp_options(distributed_type: str, pairs: Pairs) -> FSDPOptions | None:
         listed = names if isinstance(names, (list, tuple)) else str(names).split(",")
         options["layer_classes"] = tuple(n.strip() for n in listed if str(n).strip())
     return FSDPOptions(**options)
+
+
+def activation_checkpointing(pairs: Pairs) -> bool:
+    """Whether an `fsdp_config` section asks for activation checkpointing (RunContext's
+    `activation_checkpointing`, which `wrap_model` applies under any strategy)."""
+    values = _known("fsdp_config", pairs, FSDP_KEYS)
+    key = _FSDP_ACTIVATION_CHECKPOINTING
+    return key in values and _bool(key, values[key])
 
 
 def parallelism_of(distributed_type: str, pairs: Pairs) -> Parallelism | None:

@@ -10,7 +10,7 @@ from dataclasses import fields
 from types import MappingProxyType
 from typing import Any, cast, get_args
 
-from accel._parallelism import FSDPOptions, Parallelism
+from accel._parallelism import FSDPOptions, Parallelism, check_compile
 from accel._typing import Precision
 
 ENV_PRECISION = "ACCEL_PRECISION"
@@ -19,6 +19,7 @@ ENV_SEED = "ACCEL_SEED"
 ENV_DEVICE = "ACCEL_DEVICE"
 ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
 ENV_COMPILE = "ACCEL_COMPILE"
+ENV_ACTIVATION_CHECKPOINTING = "ACCEL_ACTIVATION_CHECKPOINTING"
 ENV_FSDP_PREFIX = "ACCEL_FSDP_"
 ENV_MESH = MappingProxyType(
     {
@@ -89,13 +90,18 @@ def env_settings(
     if fsdp_vars:
         found["fsdp"] = (_fsdp_from_env(fn, environ, fsdp_vars), "env " + ", ".join(fsdp_vars))
     if ENV_COMPILE in environ:
-        text = environ[ENV_COMPILE].lower()
-        if text not in ("false", "true", "regional"):
-            raise ValueError(
-                f"{fn}: {ENV_COMPILE}={environ[ENV_COMPILE]!r} must be false, true or regional."
-            )
-        mode = {"false": False, "true": True}.get(text, "regional")
+        text = environ[ENV_COMPILE]
+        spelled = {"false": False, "true": True, "regional": "regional"}.get(text.lower(), text)
+        mode = check_compile("init_distributed", spelled, name=ENV_COMPILE)
         found["compile"] = (mode, f"env {ENV_COMPILE}")
+    if ENV_ACTIVATION_CHECKPOINTING in environ:
+        text = environ[ENV_ACTIVATION_CHECKPOINTING]
+        if text.lower() not in ("true", "false"):
+            raise ValueError(
+                f"init_distributed: {ENV_ACTIVATION_CHECKPOINTING}={text!r} must be true or false."
+            )
+        source = f"env {ENV_ACTIVATION_CHECKPOINTING}"
+        found["activation_checkpointing"] = (text.lower() == "true", source)
     return found
 
 
@@ -126,6 +132,8 @@ def fsdp_environment(options: FSDPOptions) -> dict[str, str]:
     env: dict[str, str] = {}
     for f in fields(options):
         value = getattr(options, f.name)
+        if f.name == "activation_checkpointing":  # deprecated here: ENV_ACTIVATION_CHECKPOINTING
+            continue
         if f.name == "layer_classes":
             text = ",".join(c if isinstance(c, str) else c.__name__ for c in value)
         elif f.name.endswith("_dtype"):

@@ -5,12 +5,14 @@ They live below `RunContext`, which records both, and below `wrap_model`, which 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
+
+from accel._typing import as_dtype
 
 __all__ = ["FSDPOptions", "Parallelism"]
 
@@ -20,10 +22,15 @@ MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
 
 CompileMode = Literal[False, True, "regional"]
 
-_DTYPE_NAMES = MappingProxyType(
-    {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-     "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-)  # fmt: skip
+
+def check_compile(fn: str, value: Any, *, name: str = "compile") -> CompileMode:
+    """The one validator of a compile setting: False, True or "regional" (not 0, 1 or "yes")."""
+    if value is False or value is True or value == "regional":
+        return cast(CompileMode, value)
+    raise ValueError(
+        f"{fn}: {name}={value!r} must be False, True or 'regional'; False does not compile, "
+        "True compiles the whole model, 'regional' each repeated block. Use compile=True."
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,21 +117,13 @@ class Parallelism:
         return tuple(n for n in MESH_DIMS if getattr(self, n) > 1)
 
 
-def as_dtype(owner: str, name: str, value: Any) -> torch.dtype | None:
-    """Accept a dtype, a precision name ("bf16") or a dtype name ("bfloat16"); None stays."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and value in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value]
-    raise ValueError(
-        f"{owner}: {name}={value!r} is not a floating dtype; expected a torch.dtype or one of "
-        f"{sorted(_DTYPE_NAMES)}, e.g. {name}=torch.bfloat16."
-    )
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FSDPOptions:
-    """How `wrap_model` applies FSDP2 (`fully_shard`), activation checkpointing and compile.
+    """How `wrap_model` applies FSDP2 (`fully_shard`).
+
+    Dtypes take a `torch.dtype` or its name ("bf16", "bfloat16", "torch.bfloat16"). Activation
+    checkpointing is `wrap_model(..., activation_checkpointing=...)`, for every strategy; the
+    field here still works but is deprecated.
 
     Example:
         >>> from accel import FSDPOptions
@@ -144,7 +143,8 @@ class FSDPOptions:
     reduce_dtype: torch.dtype | None = None
     """Dtype gradients are reduced in. None: float32 whenever param_dtype is lower."""
     activation_checkpointing: bool = False
-    """Recompute each layer-class block's activations in backward (torch.utils.checkpoint)."""
+    """Deprecated: use `wrap_model(..., activation_checkpointing=True)`, which works under every
+    strategy (True here still recomputes each layer-class block, with a DeprecationWarning)."""
     offload_params: bool = False
     """Keep sharded parameters and gradients on the CPU (FSDP2's CPUOffloadPolicy)."""
     sync_module_states: bool = False
@@ -163,3 +163,20 @@ class FSDPOptions:
             )
         for name in ("param_dtype", "reduce_dtype"):
             object.__setattr__(self, name, as_dtype("FSDPOptions", name, getattr(self, name)))
+        for name in (
+            "reshard_after_forward", "activation_checkpointing", "offload_params",
+            "sync_module_states",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"FSDPOptions: {name}={value!r} must be True or False. Use {name}=True."
+                )
+        if self.activation_checkpointing:
+            warnings.warn(
+                "FSDPOptions: activation_checkpointing=True is deprecated; pass "
+                "wrap_model(ctx, model, activation_checkpointing=True) instead (it works under "
+                "every strategy, DDP, tensor parallel and one process included).",
+                DeprecationWarning,
+                stacklevel=3,
+            )

@@ -20,3 +20,47 @@ ReduceOp: TypeAlias = Literal["sum", "mean", "max", "min"]
 
 TensorTree: TypeAlias = Any
 """A tensor, or a tuple/list/dict nesting of them (what the collectives accept)."""
+
+_SHORT_DTYPES = MappingProxyType(
+    {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+)
+"""accel's precision names, accepted wherever a dtype is (Accelerate's spellings)."""
+
+
+def as_dtype(fn: str, name: str, value: Any, *, floating: bool = True) -> torch.dtype | None:
+    """Parse a dtype argument: a `torch.dtype`, its name ("bfloat16", "torch.bfloat16") or a
+    precision name ("bf16", "fp16", "fp32"); None stays None.
+
+    The one parser of every public argument that takes a dtype. With `floating` (the default)
+    the dtype must be a floating-point one (a dtype weights or gradients are cast to).
+
+    Raises:
+        TypeError: `value` is neither a dtype nor a string.
+        ValueError: a string naming no dtype, or a non-floating dtype where one is required.
+    """
+    if value is None:
+        return None
+    allowed = '"bf16", "bfloat16", "torch.bfloat16" or torch.bfloat16'
+    kind = "floating dtype" if floating else "dtype"
+    if not isinstance(value, (str, torch.dtype)):
+        raise TypeError(
+            f"{fn}: {name}={value!r} is not a {kind}; expected a torch.dtype or its name, "
+            f"e.g. {allowed}."
+        )
+    dtype = value
+    if isinstance(value, str):
+        text = value.removeprefix("torch.")
+        found = _SHORT_DTYPES.get(text, getattr(torch, text, None))
+        if not isinstance(found, torch.dtype):
+            raise ValueError(
+                f"{fn}: {name}={value!r} names no torch dtype; expected a torch.dtype or its "
+                f"name, e.g. {allowed} (also float16/fp16, float32/fp32)."
+            )
+        dtype = found
+    assert isinstance(dtype, torch.dtype)
+    if floating and not dtype.is_floating_point:
+        raise ValueError(
+            f"{fn}: {name}={value!r} is not a floating dtype; expected one such as "
+            f"{allowed}, or float16/fp16, float32/fp32."
+        )
+    return dtype

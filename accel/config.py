@@ -17,6 +17,7 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_TP_SIZE`          | `parallelism`      | int >= 1 or -1         |
 | `ACCEL_FSDP_<FIELD>`     | `fsdp`             | e.g. `ACCEL_FSDP_LAYER_CLASSES=Block`  |
 | `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
+| `ACCEL_ACTIVATION_CHECKPOINTING` | `activation_checkpointing` | true, false |
 """
 
 from __future__ import annotations
@@ -253,12 +254,13 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
     return config
 
 
-def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any]:
+def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any, bool]:
     kind = config.distributed_type
     return (
         _accelerate_config.parallelism_of(kind, config.parallelism_config),
         _accelerate_config.fsdp_options(kind, config.fsdp_config),
         _accelerate_config.compile_mode(config.dynamo_config),
+        _accelerate_config.activation_checkpointing(config.fsdp_config),
     )
 
 
@@ -395,13 +397,15 @@ def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     }
     if config.seed is not None:
         found["seed"] = (config.seed, source)
-    sizes, fsdp, compile = _parallel_settings(config)
+    sizes, fsdp, compile, checkpointing = _parallel_settings(config)
     if sizes is not None:
         found["parallelism"] = (sizes, source)
     if fsdp is not None:
         found["fsdp"] = (fsdp, source)
     if compile:
         found["compile"] = (compile, source)
+    if checkpointing:
+        found["activation_checkpointing"] = (True, source)
     return found
 
 

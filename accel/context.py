@@ -12,7 +12,14 @@ from typing import Any, get_args
 import torch
 from typing_extensions import Self
 
-from accel._parallelism import MESH_DIMS, CompileMode, FSDPOptions, MeshDim, Parallelism
+from accel._parallelism import (
+    MESH_DIMS,
+    CompileMode,
+    FSDPOptions,
+    MeshDim,
+    Parallelism,
+    check_compile,
+)
 from accel._typing import Backend, Precision
 
 __all__ = ["Parallelism", "RunContext", "along"]
@@ -113,6 +120,9 @@ class RunContext:
     """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
     compile: CompileMode = False
     """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
+    activation_checkpointing: bool = False
+    """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
+    `wrap_model` uses it when given none."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
 
@@ -148,9 +158,11 @@ class RunContext:
                 )
             object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
         _check_timeout(self.timeout)
-        if self.compile not in (False, True, "regional"):
-            raise ValueError(
-                f"RunContext: compile={self.compile!r} must be False, True or 'regional'."
+        check_compile("RunContext", self.compile)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(
+                f"RunContext: activation_checkpointing={self.activation_checkpointing!r} must "
+                "be True or False."
             )
         if not isinstance(self.sources, MappingProxyType):
             object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))

@@ -147,6 +147,7 @@ def init_distributed(
         timeout=wait,
         fsdp=settings.get("fsdp", (None, ""))[0],
         compile=settings.get("compile", (False, ""))[0],
+        activation_checkpointing=settings.get("activation_checkpointing", (False, ""))[0],
         sources=sources,
     )
     if "parallelism" not in settings:

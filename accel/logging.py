@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, cast
 
 from accel.context import RunContext
 
@@ -54,14 +55,16 @@ class RankLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         self.log(logging.CRITICAL, msg, *args, **kwargs)
 
 
-def get_logger(name: str, ctx: RunContext) -> RankLogger:
+def get_logger(ctx: RunContext, name: str) -> RankLogger:
     """Return a logger whose records come from rank 0 only, unless `main_process_only=False`.
 
-    accel adds no handlers; configure output with `logging.basicConfig` as usual.
+    accel adds no handlers; configure output with `logging.basicConfig` as usual. The context
+    comes first, as everywhere in accel; the old order `get_logger(name, ctx)` still works and
+    warns (DeprecationWarning).
 
     Args:
-        name: the name of the standard logger to wrap, as for `logging.getLogger`.
         ctx: the run context; its rank decides which records are kept.
+        name: the name of the standard logger to wrap, as for `logging.getLogger`.
 
     Returns:
         A `RankLogger`: each logging call takes `main_process_only` (default True), and with
@@ -69,8 +72,27 @@ def get_logger(name: str, ctx: RunContext) -> RankLogger:
 
     Example:
         >>> from accel import get_logger, RunContext
-        >>> log = get_logger("train", RunContext(rank=1, world_size=2))
+        >>> log = get_logger(RunContext(rank=1, world_size=2), "train")
         >>> log.info("only rank 0 prints this")
         >>> log.warning("every rank prints this", main_process_only=False)
     """
-    return RankLogger(logging.getLogger(name), rank=ctx.rank, world_size=ctx.world_size)
+    first, second = cast(Any, ctx), cast(Any, name)  # the old order arrives swapped
+    if isinstance(first, str) and isinstance(second, RunContext):
+        warnings.warn(
+            f"get_logger: get_logger(name, ctx) is deprecated; pass the context first: "
+            f"get_logger(ctx, {first!r}).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        first, second = second, first
+    if not isinstance(first, RunContext):
+        raise TypeError(
+            f"get_logger: ctx={first!r} is not a RunContext; call get_logger(ctx, name), e.g. "
+            "get_logger(ctx, __name__)."
+        )
+    if not isinstance(second, str):
+        raise TypeError(
+            f"get_logger: name={second!r} is not a str; pass the logger's name, e.g. "
+            "get_logger(ctx, __name__)."
+        )
+    return RankLogger(logging.getLogger(second), rank=first.rank, world_size=first.world_size)

@@ -26,10 +26,10 @@ def check_seed(fn: str, seed: object) -> None:
 def set_seed(seed: int, *, ctx: RunContext | None = None, deterministic: bool = False) -> int:
     """Seed Python's `random`, NumPy and torch (CPU and every CUDA device).
 
-    With `ctx`, each rank uses `seed + ctx.rank`, so data-parallel ranks draw different dropout
-    masks and augmentations (Accelerate's `device_specific=True`). Seed without `ctx` before
-    building the model when every rank must start from the same weights without a broadcast
-    (FSDP2 does not broadcast them).
+    Without `ctx` every rank uses `seed` (Accelerate's default). With `ctx`, each rank uses
+    `seed + ctx.rank`, so data-parallel ranks draw different dropout masks and augmentations
+    (Accelerate's `device_specific=True`). Either way `wrap_model` starts every rank from rank
+    0's initial weights under DDP, FSDP2 and tensor parallelism.
 
     Args:
         seed: the base seed.

@@ -81,14 +81,11 @@ def _by_hand(ctx: accel.RunContext, options: dict[str, Any]) -> nn.Module:
 def _with_accel(ctx: accel.RunContext, options: dict[str, Any]) -> nn.Module:
     p = ctx.parallelism
     assert p is not None
-    fsdp = None
-    if p.dp_shard > 1:
-        fsdp = FSDPOptions(
-            layer_classes=(Block,), activation_checkpointing=options.get("ac", False)
-        )
+    fsdp = FSDPOptions(layer_classes=(Block,)) if p.dp_shard > 1 else None
     return accel.wrap_model(
         ctx, make_model(**SIZES), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp,
         compile="regional" if options.get("compile") else False,
+        activation_checkpointing=options.get("ac", False),
     )  # fmt: skip
 
 

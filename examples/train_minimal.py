@@ -32,7 +32,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ctx = accel.init_distributed(seed=0)  # reads the launcher's environment
     accel.set_seed(ctx.seed, ctx=ctx)
-    log = accel.get_logger(__name__, ctx)  # records from the main process only
+    log = accel.get_logger(ctx, __name__)  # records from the main process only
     log.info(ctx.describe())
 
     # y = x @ w_true + noise: the loss should fall towards the noise level (0.01).

@@ -477,3 +477,45 @@ def test_loaded_state_does_not_keep_the_checkpoint_mapped(tmp_path: Path) -> Non
         strict=True,
     ):
         assert torch.equal(p, q) and torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_one_state_dict_serves_save_state_save_checkpoint_and_load_state(tmp_path: Path) -> None:
+    model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    accel.save_state(CTX, tmp_path / "state", state)
+    handle = accel.save_checkpoint(CTX, tmp_path / "ckpts", state, step=1)
+    for directory in (tmp_path / "state", handle.wait()):
+        fresh = _mlp(2)
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        loaded = accel.load_state(CTX, directory, {"model": fresh, "optimizer": fresh_opt})
+        assert loaded["objects"] == ["model", "optimizer"]
+        for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    # The dict and keyword arguments combine; an object may still be named "state".
+    gen = torch.Generator().manual_seed(5)
+    accel.save_state(CTX, tmp_path / "both", {"model": model}, state=gen)
+    assert accel.load_state(CTX, tmp_path / "both", state=torch.Generator())["objects"] == [
+        "model",
+        "state",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("state", "kwargs", "error", "match"),
+    [
+        ({"model": nn.Linear(2, 2)}, {"model": nn.Linear(2, 2)}, ValueError,
+         r"save_state: \['model'\] given both in state and as keyword arguments"),
+        ([nn.Linear(2, 2)], {}, TypeError, r"save_state: state=\[Linear.* must be a dict of name"),
+        ({1: nn.Linear(2, 2)}, {}, TypeError, r"save_state: state=\{1: .* must be a dict of name"),
+    ],
+)  # fmt: skip
+def test_a_state_that_is_not_one_dict_of_names_is_refused(
+    tmp_path: Path, state: Any, kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        accel.save_state(CTX, tmp_path / "s", state, **kwargs)
+    assert not (tmp_path / "s").exists()

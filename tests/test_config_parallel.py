@@ -62,10 +62,9 @@ def test_an_accelerate_fsdp_config_becomes_fsdp2_over_every_process(tmp_path: Pa
     path.write_text(ACCELERATE_FSDP)
     found = config_settings(load_config(path), "config")
     assert found["parallelism"] == (Parallelism(dp_shard=-1), "config")
-    assert found["fsdp"] == (
-        FSDPOptions(layer_classes=("Block",), activation_checkpointing=True),
-        "config",
-    )
+    assert found["fsdp"] == (FSDPOptions(layer_classes=("Block",)), "config")
+    # Activation checkpointing is wrap_model's, for every strategy: the context carries it.
+    assert found["activation_checkpointing"] == (True, "config")
     assert "compile" not in found
 
 
@@ -100,6 +99,22 @@ def test_the_settings_travel_to_the_workers_through_accel_variables() -> None:
         layer_classes=("Block", "Attention"), reshard_after_forward=False
     )
     assert found["compile"] == (True, "env ACCEL_COMPILE")
+
+
+def test_activation_checkpointing_travels_to_the_workers_and_into_the_context() -> None:
+    from accel.cli import _launch
+
+    config = parse_config(
+        {"distributed_type": "FSDP", "num_processes": 2,
+         "fsdp_config": {"fsdp_activation_checkpointing": True}}
+    )  # fmt: skip
+    env = _launch.worker_environment(config)
+    assert env["ACCEL_ACTIVATION_CHECKPOINTING"] == "true"
+    assert "ACCEL_FSDP_ACTIVATION_CHECKPOINTING" not in env
+    found = env_settings(env)
+    assert found["activation_checkpointing"] == (True, "env ACCEL_ACTIVATION_CHECKPOINTING")
+    with pytest.raises(ValueError, match=r"ACCEL_ACTIVATION_CHECKPOINTING='maybe' must be true"):
+        env_settings({"ACCEL_ACTIVATION_CHECKPOINTING": "maybe"})
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import accel
 from accel import FSDPOptions, Parallelism, RunContext
@@ -70,3 +71,62 @@ def test_a_split_world_without_a_mesh_says_how_to_build_one() -> None:
         RuntimeError, match=r"has no DeviceMesh; build it with accel\.init_distributed"
     ):
         accel.wrap_model(_ctx(dp_shard=2, tp=2), make_model(), tp_plan=TP_PLAN)
+
+
+# Issue 29 item 7: arguments of wrap_model and FSDPOptions that reached a bare Python or torch
+# error, or were accepted; each error names the argument, the value and what is allowed.
+@pytest.mark.parametrize(
+    ("tp_plan", "match"),
+    [
+        ("colwise", r"tp_plan='colwise' is not a plan; expected a dict of module-name pattern"),
+        ([("layers.*.attention.wq", "colwise")], r"tp_plan=\[\('layers.*is not a plan"),
+        ({0: "colwise"}, r"tp_plan key 0 is not a module-name pattern; expected a str"),
+    ],
+)
+def test_a_tp_plan_that_is_not_a_dict_of_patterns_is_refused_by_name(
+    tp_plan: Any, match: str
+) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        accel.wrap_model(_ctx(tp=2), make_model(), tp_plan=tp_plan)
+
+
+def test_a_torch_colwise_style_on_a_module_it_cannot_split_is_refused_by_name() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan\['layers\.\*\.attention'\]=ColwiseParallel.*names 'layers\.0\.attention'"
+        r", a Attention; ColwiseParallel and RowwiseParallel apply to nn\.Linear and nn\.Embedding",
+    ):
+        accel.wrap_model(
+            _ctx(tp=2), make_model(), tp_plan={"layers.*.attention": ColwiseParallel()}
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"reduce_dtype": torch.int32}, ValueError,
+         r"FSDPOptions: reduce_dtype=torch\.int32 is not a floating dtype"),
+        ({"param_dtype": "int8"}, ValueError,
+         r"FSDPOptions: param_dtype='int8' is not a floating dtype"),
+        ({"reshard_after_forward": "yes"}, TypeError,
+         r"FSDPOptions: reshard_after_forward='yes' must be True or False"),
+        ({"offload_params": 1}, TypeError, r"FSDPOptions: offload_params=1 must be True or False"),
+    ],
+)  # fmt: skip
+def test_fsdp_options_refuse_values_fsdp2_cannot_honour(
+    kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        FSDPOptions(**kwargs)
+
+
+def test_ddp_with_tensor_parallel_alone_suggests_a_mesh_that_works() -> None:
+    # tp=2 over 2 ranks: nothing to replicate, so the fix is TP alone, not the same mesh again.
+    with pytest.raises(NotImplementedError) as info:
+        accel.wrap_model(_ctx(tp=2), make_model(), tp_plan=TP_PLAN, strategy="ddp")
+    message = str(info.value)
+    assert "strategy='ddp'" in message and "tp=2" in message
+    assert "Parallelism(dp_shard=1, tp=2)" not in message
+    assert "strategy='auto'" in message

@@ -38,14 +38,31 @@ def test_rng_state_round_trip_restores_every_generator() -> None:
 
 def test_logger_records_on_main_only_unless_asked(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="accel-test")
-    main = get_logger("accel-test", RunContext(rank=0, world_size=2))
-    other = get_logger("accel-test", RunContext(rank=1, world_size=2))
+    main = get_logger(RunContext(rank=0, world_size=2), "accel-test")
+    other = get_logger(RunContext(rank=1, world_size=2), "accel-test")
     main.info("from main %d", 1)
     other.info("hidden")
     other.warning("from rank one", main_process_only=False)
-    get_logger("accel-test", RunContext()).info("single")
+    get_logger(RunContext(), "accel-test").info("single")
     assert [r.getMessage() for r in caplog.records] == [
         "[rank 0] from main 1",
         "[rank 1] from rank one",
         "single",
     ]
+
+
+def test_get_logger_takes_the_context_first_and_the_old_order_is_deprecated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="accel-old-order")
+    ctx = RunContext(rank=1, world_size=2)
+    with pytest.warns(DeprecationWarning, match=r"get_logger\(name, ctx\) is deprecated"):
+        old = get_logger("accel-old-order", ctx)  # type: ignore[arg-type]
+    new = get_logger(ctx, "accel-old-order")
+    for log in (old, new):
+        log.warning("seen", main_process_only=False)
+    assert [r.getMessage() for r in caplog.records] == ["[rank 1] seen", "[rank 1] seen"]
+    with pytest.raises(TypeError, match=r"get_logger: name=3 is not a str"):
+        get_logger(ctx, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"get_logger: ctx='a' is not a RunContext"):
+        get_logger("a", "b")  # type: ignore[arg-type]

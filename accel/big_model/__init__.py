@@ -17,6 +17,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from accel._typing import as_dtype
 from accel.big_model import _device_map as dm
 from accel.big_model import _planner, _table
 from accel.big_model._hooks import remove_hooks
@@ -136,10 +137,11 @@ def compute_module_sizes(
         >>> accel.compute_module_sizes(torch.nn.Linear(4, 2), dtype="float16")
         {'': 20}
     """
-    return dm.module_sizes(model, dm.as_dtype("compute_module_sizes", dtype))
+    # Any dtype sizes (int8 estimates a quantized load, as in Accelerate).
+    return dm.module_sizes(model, as_dtype("compute_module_sizes", "dtype", dtype, floating=False))
 
 
-Strategy = Literal["sequential", "balanced", "balanced_low_0"]
+DeviceMapStrategy = Literal["sequential", "balanced", "balanced_low_0"]
 
 
 def infer_device_map(
@@ -148,7 +150,7 @@ def infer_device_map(
     max_memory: Mapping[Device, int | str] | None = None,
     no_split: Iterable[str | type] = (),
     dtype: torch.dtype | str | None = None,
-    strategy: Strategy = "sequential",
+    strategy: DeviceMapStrategy = "sequential",
 ) -> dict[str, Device]:
     """Plan where each module lives, by the rules of Accelerate's `infer_auto_device_map`.
 
@@ -185,14 +187,14 @@ def infer_device_map(
         {'0': 0, '1': 0, '2': 'cpu', '3': 'disk', '4': 'disk'}
     """
     fn = "infer_device_map"
-    if strategy not in get_args(Strategy):
+    if strategy not in get_args(DeviceMapStrategy):
         raise ValueError(
             f"{fn}: strategy={strategy!r} is not a strategy; expected one of "
-            f"{get_args(Strategy)}. Use 'balanced' to spread a model over several GPUs."
+            f"{get_args(DeviceMapStrategy)}. Use 'balanced' to spread a model over several GPUs."
         )
     budgets = dm.budgets(fn, max_memory)
     names = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
-    torch_dtype = dm.as_dtype(fn, dtype)
+    torch_dtype = as_dtype(fn, "dtype", dtype, floating=False)
     if strategy != "sequential":
         low_zero = strategy == "balanced_low_0"
         budgets = _planner.balanced_budgets(model, budgets, names, torch_dtype, low_zero=low_zero)
@@ -203,7 +205,7 @@ def dispatch_checkpoint(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
-    device_map: Literal["auto"] | Strategy | Mapping[str, Device] = "auto",
+    device_map: Literal["auto"] | DeviceMapStrategy | Mapping[str, Device] = "auto",
     max_memory: Mapping[Device, int | str] | None = None,
     no_split: Iterable[str | type] = (),
     offload_dir: str | os.PathLike[str] | None = None,
@@ -262,17 +264,17 @@ def dispatch_checkpoint(
 
     fn = "dispatch_checkpoint"
     _dispatch.check_unhooked(fn, model)
-    torch_dtype = dm.as_dtype(fn, dtype)
+    torch_dtype = as_dtype(fn, "dtype", dtype)  # a cast target: floating only
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
     entries = _dispatch.checkpoint_entries(fn, checkpoint)
     layout = _dispatch.Layout(model)
     _dispatch.check_keys(fn, layout, entries, strict)
     if isinstance(device_map, str):
         strategy = "balanced" if device_map == "auto" else device_map
-        if strategy not in get_args(Strategy):
+        if strategy not in get_args(DeviceMapStrategy):
             raise ValueError(
                 f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
-                f"'auto' or one of {get_args(Strategy)}, or a dict of name -> device."
+                f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
             )
         device_map = infer_device_map(
             model,
@@ -339,7 +341,7 @@ def describe_device_map(
             f"{fn}: device_map=None and the model has no hf_device_map; pass "
             "device_map=infer_device_map(model, ...), or call dispatch_checkpoint first."
         )
-    sizes = _planner.sizes(model, dm.as_dtype(fn, dtype))
+    sizes = _planner.sizes(model, as_dtype(fn, "dtype", dtype, floating=False))
     return _table.render(chosen, sizes, dm.budgets(fn, max_memory))
 
 

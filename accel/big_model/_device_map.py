@@ -1,5 +1,5 @@
-"""The inputs of planning: budgets (bytes, or size strings parsed as Accelerate parses them),
-dtypes given by name, and the bytes under each module. The plan itself is in `_planner`."""
+"""The inputs of planning: budgets (bytes, or size strings parsed as Accelerate parses them)
+and the bytes under each module. The plan itself is in `_planner`."""
 
 from __future__ import annotations
 
@@ -20,19 +20,6 @@ def module_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
     """Bytes under each module name ("" is the whole model); a tied tensor counts once."""
     sizes = _planner.sizes(model, dtype)
     return {name: sizes.get(name, 0) for name, _ in model.named_modules()}
-
-
-def as_dtype(fn: str, dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """`dtype`, or the torch dtype a string names ("bfloat16" or "torch.bfloat16")."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if isinstance(found, torch.dtype):
-        return found
-    raise (ValueError if isinstance(dtype, str) else TypeError)(
-        f"{fn}: dtype={dtype!r} is not a torch dtype; pass one (torch.bfloat16) or its name "
-        '("bfloat16", "float16", "float32", or "torch.bfloat16").'
-    )
 
 
 def budgets(fn: str, max_memory: Mapping[Device, int | str] | None) -> dict[Device, int]:

@@ -233,12 +233,20 @@ def load_checkpoint_in_model(
 # ---------------------------------------------------------------------------------- state
 
 
-def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: Any) -> None:
+def save_state(
+    ctx: RunContext,
+    directory: str | os.PathLike[str],
+    state: Mapping[str, Any] | None = None,
+    /,
+    **objects: Any,
+) -> None:
     """Save training state under `directory`, crash-safely, for an exact resume with load_state.
 
-    Pass each object under a name of your choice: models (saved unwrapped; FSDP2 models and
-    their optimizers sharded through torch.distributed.checkpoint), optimizers, schedulers,
-    GradScaler, loaders, `torch.Generator`, or anything with `state_dict`/`load_state_dict`.
+    Pass the objects as one dict of name -> object, `state`, the same dict `save_checkpoint`
+    and `load_state` take (or as keyword arguments; the two combine): models (saved unwrapped;
+    FSDP2 models and their optimizers sharded through torch.distributed.checkpoint),
+    optimizers, schedulers, GradScaler, loaders, `torch.Generator`, or anything with
+    `state_dict`/`load_state_dict`.
     Objects are saved once, from rank 0, unless wrapped in `PerRank`; the RNG states of every
     rank are always saved, and so are the gradients a model has accumulated inside an
     accumulation window (each rank its own; `load_state` restores them, or clears stale ones).
@@ -252,11 +260,15 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
         ctx: the run context; every rank calls with the same names.
         directory: the folder to create; an existing accel checkpoint is replaced once the new
             one is done; any other existing folder with files in it is refused.
-        **objects: the objects to save, by name; `PerRank(obj)` saves every rank's own copy.
+        state: name -> object, e.g. `{"model": model, "optimizer": opt}`; `PerRank(obj)`
+            saves every rank's own copy.
+        **objects: more objects by name, as keyword arguments.
 
     Raises:
-        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator).
-        ValueError: for a name reserved for the RNG states.
+        TypeError: for an object with no `state_dict`/`load_state_dict` (nor a Generator), or
+            a `state` that is not a dict of str names.
+        ValueError: for a name reserved for the RNG states, or given both in `state` and as a
+            keyword.
         FileExistsError: `directory` holds files but is not an accel checkpoint.
         NotADirectoryError: `directory` (or a parent) is a file.
         OSError: a write failed (disk full, read-only); it names the checkpoint, and what was
@@ -273,15 +285,39 @@ def save_state(ctx: RunContext, directory: str | os.PathLike[str], **objects: An
         >>> d = Path(tempfile.mkdtemp()) / "state"
         >>> model = nn.Linear(2, 2)
         >>> opt = torch.optim.AdamW(model.parameters())
-        >>> save_state(RunContext.single(), d, model=model, optimizer=opt)
-        >>> load_state(RunContext.single(), d, model=model, optimizer=opt)["objects"]
+        >>> state = {"model": model, "optimizer": opt}
+        >>> save_state(RunContext.single(), d, state)
+        >>> load_state(RunContext.single(), d, state)["objects"]
         ['model', 'optimizer']
     """
-    start_save("save_state", ctx, Path(directory), objects, info={}, blocking=True)
+    fn = "save_state"
+    start_save(fn, ctx, Path(directory), _objects(fn, state, objects), info={}, blocking=True)
+
+
+def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
+    """The one dict of a checkpoint's objects: `state`'s entries and the keyword arguments."""
+    if state is None:
+        return objects
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise TypeError(
+            f"{fn}: state={state!r:.80} must be a dict of name -> object, e.g. "
+            '{"model": model, "optimizer": optimizer}.'
+        )
+    both = sorted(state.keys() & objects.keys())
+    if both:
+        raise ValueError(
+            f"{fn}: {both} given both in state and as keyword arguments; each name once. Put "
+            "every object in the state dict."
+        )
+    return {**state, **objects}
 
 
 def load_state(
-    ctx: RunContext, directory: str | os.PathLike[str], **objects: Any
+    ctx: RunContext,
+    directory: str | os.PathLike[str],
+    state: Mapping[str, Any] | None = None,
+    /,
+    **objects: Any,
 ) -> dict[str, Any]:
     """Load what `save_state` saved into the given objects, in place, and restore RNG states.
 
@@ -295,7 +331,9 @@ def load_state(
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
         directory: a folder written by `save_state` (or `save_checkpoint`).
-        **objects: the objects to load into, in place, by the names they were saved under.
+        state: name -> object to load into, in place, by the names they were saved under (the
+            dict given to `save_state` or `save_checkpoint`).
+        **objects: more objects by name, as keyword arguments.
 
     Returns:
         The manifest (`step`, `world_size`, versions, files).
@@ -319,7 +357,7 @@ def load_state(
     """
 
     fn = "load_state"
-    return load(fn, ctx, Path(directory), objects, group_of(ctx, fn))
+    return load(fn, ctx, Path(directory), _objects(fn, state, objects), group_of(ctx, fn))
 
 
 def save_checkpoint(
@@ -331,7 +369,7 @@ def save_checkpoint(
     keep: int | None = None,
     blocking: bool = True,
 ) -> CheckpointHandle:
-    """Save `state` (the objects save_state takes) as `root/step-<step>`; keep the newest `keep`.
+    """Save `state` (the dict save_state takes) as `root/step-<step>`; keep the newest `keep`.
 
     Older checkpoints are deleted only after the new one is published, so `keep=1` never leaves
     zero complete checkpoints. With `blocking=False` the call returns once tensors are copied to
@@ -341,7 +379,7 @@ def save_checkpoint(
     Args:
         ctx: the run context; call it on every rank.
         root: the folder of `step-<n>` checkpoints; created if missing.
-        state: name -> object, as `save_state`'s keyword arguments.
+        state: name -> object, the same dict `save_state` and `load_state` take.
         step: the training step, an int >= 0, which names the folder.
         keep: how many of the newest complete checkpoints to keep; default None keeps all.
         blocking: return only once the checkpoint is published; default True.
@@ -382,7 +420,7 @@ def save_checkpoint(
         fn,
         ctx,
         final,
-        dict(state),
+        _objects(fn, state, {}),
         info={"step": step},
         blocking=blocking,
         after_publish=after_publish,

@@ -171,6 +171,9 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
         env |= _env_vars.fsdp_environment(settings["fsdp"][0])
     if "compile" in settings:
         env[_env_vars.ENV_COMPILE] = str(settings["compile"][0]).lower()
+    if "activation_checkpointing" in settings:
+        value = settings["activation_checkpointing"][0]
+        env[_env_vars.ENV_ACTIVATION_CHECKPOINTING] = str(value).lower()
     return env
 
 

@@ -38,7 +38,12 @@ def world_mesh(ctx: RunContext) -> DeviceMesh:
     return DeviceMesh.from_group(group, ctx.device.type)
 
 
-def layer_modules(model: nn.Module, classes: tuple[type[nn.Module] | str, ...]) -> list[nn.Module]:
+def layer_modules(
+    model: nn.Module,
+    classes: tuple[type[nn.Module] | str, ...],
+    *,
+    name: str = "layer_classes",
+) -> list[nn.Module]:
     """The submodules of `model` whose class is in `classes` (classes or class names).
 
     Raises naming each class (or name) that matches nothing: a policy that wraps nothing would
@@ -49,10 +54,16 @@ def layer_modules(model: nn.Module, classes: tuple[type[nn.Module] | str, ...]) 
         if not any(_is_layer(m, (c,)) for m in found):
             shown = c if isinstance(c, str) else c.__name__
             present = sorted({type(m).__name__ for m in model.modules()})
+            what = "layer class" if name == "layer_classes" else f"{name} class"
+            example = (
+                "FSDPOptions(layer_classes"
+                if name == "layer_classes"
+                else f"wrap_model(..., {name}"
+            )
             raise ValueError(
-                f"wrap_model: layer class {shown!r} matches no submodule of "
+                f"wrap_model: {what} {shown!r} matches no submodule of "
                 f"{type(model).__name__}; its module classes are {present}. Name the class of "
-                "the repeated block, e.g. FSDPOptions(layer_classes=('LlamaDecoderLayer',))."
+                f"the repeated block, e.g. {example}=('LlamaDecoderLayer',))."
             )
     return found
 
@@ -105,14 +116,6 @@ def mixed_precision(ctx: RunContext, options: FSDPOptions) -> Any:
     if reduce is None and param is not None and param != torch.float32:
         reduce = torch.float32  # reduce gradients in full precision: sums of many lose bits
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
-
-
-def sync_module_states(model: nn.Module, group: Any) -> None:
-    """Broadcast rank 0's parameters and buffers over `group` (Accelerate's sync_module_states)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=src, group=group)
 
 
 def apply_fsdp2(

@@ -42,6 +42,24 @@ def hf_plan(model: nn.Module) -> dict[str, Any]:
     return {lead + key: style for key, style in plan.items()}
 
 
+def check_plan(plan: Any) -> None:
+    """Refuse a `tp_plan` that is not None, "auto" or a mapping of str patterns to styles."""
+    if plan is None or plan == "auto":
+        return
+    if not isinstance(plan, Mapping):
+        raise (ValueError if isinstance(plan, str) else TypeError)(
+            f"wrap_model: tp_plan={plan!r} is not a plan; expected a dict of module-name pattern "
+            '-> "colwise", "rowwise" or a torch ParallelStyle, or "auto" (a Hugging Face '
+            "model's own plan). E.g. tp_plan={'layers.*.attention.wq': 'colwise'}."
+        )
+    for key in plan:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"wrap_model: tp_plan key {key!r} is not a module-name pattern; expected a str "
+                "such as 'layers.*.attention.wq' ('*' stands for one name segment)."
+            )
+
+
 def _matches(pattern: str, name: str) -> bool:
     want, have = pattern.split("."), name.split(".")
     return len(want) == len(have) and all(
@@ -53,6 +71,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> dic
     """Expand `plan`'s patterns to module names with torch styles; validate names and sizes."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    check_plan(plan)  # a Hugging Face config's plan too
     modules = dict(model.named_modules())
     resolved: dict[str, Any] = {}
     for pattern, style in plan.items():
@@ -76,24 +95,44 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> dic
                     f"wrap_model: module {name!r} is named by two tp_plan patterns; each "
                     "module takes one style."
                 )
-            if isinstance(style, str):
-                _check_divisible(pattern, style, name, modules[name], tp_size)
+            kind = _kind(style)
+            if kind is not None:
+                _check_divisible(pattern, style, kind, name, modules[name], tp_size)
             resolved[name] = _torch_style(style)
     return resolved
 
 
-def _check_divisible(pattern: str, style: str, name: str, module: nn.Module, tp: int) -> None:
+def _kind(style: Any) -> str | None:
+    """ "colwise" or "rowwise" for those strings and torch's two styles; None for the others."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, str):
+        return style
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    return "rowwise" if isinstance(style, RowwiseParallel) else None
+
+
+def _check_divisible(
+    pattern: str, style: Any, kind: str, name: str, module: nn.Module, tp: int
+) -> None:
+    shown = repr(style) if isinstance(style, str) else f"{type(style).__name__}()"
     if not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise ValueError(
-            f"wrap_model: tp_plan[{pattern!r}]={style!r} names {name!r}, a "
-            f"{type(module).__name__}; 'colwise' and 'rowwise' apply to nn.Linear and "
-            "nn.Embedding. Name the linear layers inside it, or pass a torch ParallelStyle."
+        allowed = (
+            "'colwise' and 'rowwise'"
+            if isinstance(style, str)
+            else "ColwiseParallel and RowwiseParallel"
         )
-    dim = _SPLIT_DIM[(style, isinstance(module, nn.Embedding))]
+        raise ValueError(
+            f"wrap_model: tp_plan[{pattern!r}]={shown} names {name!r}, a "
+            f"{type(module).__name__}; {allowed} apply to nn.Linear and nn.Embedding. Name the "
+            "linear layers inside it, or pass another torch ParallelStyle."
+        )
+    dim = _SPLIT_DIM[(kind, isinstance(module, nn.Embedding))]
     size = module.weight.shape[dim]
     if size % tp:
         raise ValueError(
-            f"wrap_model: tp_plan[{pattern!r}]={style!r} splits {name}.weight dim {dim} of size "
+            f"wrap_model: tp_plan[{pattern!r}]={shown} splits {name}.weight dim {dim} of size "
             f"{size} over tp={tp}, which does not divide it. Choose a tp size dividing {size}, "
             "or leave the module out of the plan."
         )

@@ -151,7 +151,7 @@ def _processes(ctx: RunContext, tmp: str) -> dict[str, Any]:
     handler = _ListHandler()
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    log = get_logger(logger.name, ctx)
+    log = get_logger(ctx, logger.name)
     log.info("main only")
     log.warning("every rank", main_process_only=False)
     log.debug("below the level", main_process_only=False)

@@ -36,14 +36,10 @@ def _train(ctx: accel.RunContext, options: dict[str, Any]) -> dict[str, Any]:
     ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
     p = ctx.parallelism
     assert p is not None
-    fsdp = None
-    if p.dp_shard > 1:
-        fsdp = FSDPOptions(
-            layer_classes=(Block,), activation_checkpointing=options.get("ac", False)
-        )
+    fsdp = FSDPOptions(layer_classes=(Block,)) if p.dp_shard > 1 else None
     model = accel.wrap_model(
         ctx, make_model(), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp,
-        compile=options.get("compile", False),
+        compile=options.get("compile", False), activation_checkpointing=options.get("ac", False),
     )  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     attention_calls = [0]  # twice per micro-step when activations are recomputed in backward

@@ -1,0 +1,258 @@
+"""wrap_model's plan: every argument validated and every choice made before the model changes.
+
+`make_plan` reads the context, the arguments and the model (its module names, block classes,
+shapes) and returns a frozen `WrapPlan`, or raises; nothing is moved, split or wrapped until a
+plan exists, so a bad argument never leaves a half-wrapped model behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accel._parallelism import CompileMode, FSDPOptions, Parallelism
+from accel.context import RunContext
+from accel.parallel import _fsdp, _start, _tp
+from accel.parallel._ddp import DDPOptions
+
+WrapStrategy = Literal["auto", "none", "ddp", "fsdp2"]
+"""What `wrap_model` applies: "auto" follows ctx.parallelism; the others force one wrapper."""
+Data = Literal["none", "ddp", "fsdp2"]
+Blocks = tuple[type[nn.Module] | str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrapPlan:
+    """What wrap_model does to the model, step by step, in torch's order."""
+
+    data: Data
+    """The data-parallel wrapper: none, DDP or FSDP2 (HSDP on a 2-D mesh)."""
+    tp_styles: Mapping[str, Any] | None
+    """Module name -> torch ParallelStyle; None without tensor parallelism."""
+    tp_mesh: Any
+    """The 1-D tensor-parallel mesh (None without tensor parallelism)."""
+    agree: Literal["no", "if_different", "always"]
+    """Whether rank 0's weights are broadcast before splitting: never, when ranks differ, always."""
+    checkpointed: tuple[nn.Module, ...]
+    """Blocks whose activations are recomputed in backward."""
+    compiled: tuple[nn.Module, ...]
+    """Blocks compiled one by one (compile="regional")."""
+    compile_whole: bool
+    """torch.compile the wrapped model last (compile=True)."""
+    fsdp: FSDPOptions
+    """FSDP2's options (used when data is "fsdp2")."""
+    fsdp_layers: tuple[nn.Module, ...]
+    """The FSDP2 units sharded before the root."""
+    fsdp_mesh: Any
+    """The mesh FSDP2 shards over: 1-D, or 2-D (replicate, shard) for HSDP."""
+    ddp: DDPOptions
+    """DDP's options (used when data is "ddp")."""
+    ddp_group: Any
+    """The process group DDP replicates over; None is the context's group."""
+
+
+def is_wrapped(model: nn.Module) -> str | None:
+    """The wrapper around `model` (DDP, FSDP2, torch.compile), or None."""
+    from torch.distributed.fsdp import FSDPModule  # on use: importing FSDP costs start-up time
+
+    if isinstance(model, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(model, FSDPModule):
+        return "FSDP2 (fully_shard)"
+    if hasattr(model, "_orig_mod"):
+        return "torch.compile"
+    return None
+
+
+def make_plan(
+    ctx: RunContext,
+    model: nn.Module,
+    *,
+    strategy: WrapStrategy,
+    tp_plan: Any,
+    fsdp: FSDPOptions | None,
+    ddp: DDPOptions | None,
+    compile: CompileMode,
+    activation_checkpointing: bool | Blocks | None,
+) -> WrapPlan:
+    """Validate every argument against the context and the model; decide every step."""
+    p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
+    _tp.check_plan(tp_plan)
+    data, tp = _choose(ctx, p, strategy, tp_plan=tp_plan, fsdp=fsdp, ddp=ddp)
+    options = fsdp or FSDPOptions()
+    styles = None
+    if tp:
+        raw = _tp.hf_plan(model) if tp_plan == "auto" else tp_plan
+        styles = _tp.resolve_plan(model, raw, p.tp)
+    layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
+    blocks = layers or _fsdp.repeated_blocks(model)
+    checkpointed = _checkpointed(ctx, model, activation_checkpointing, options, blocks)
+    if compile == "regional" and not blocks:
+        raise ValueError(
+            f"wrap_model: compile='regional' compiles each repeated block, and "
+            f"{type(model).__name__} has no nn.ModuleList of repeated blocks; name the block "
+            "class: FSDPOptions(layer_classes=(Block,)), or use compile=True."
+        )
+    if data == "fsdp2" and options.offload_params and ctx.device.type == "cpu":
+        raise NotImplementedError(
+            "wrap_model: FSDPOptions(offload_params=True) moves sharded parameters from an "
+            "accelerator to the CPU, and this run computes on the CPU already (FSDP2 refuses "
+            "it there). Drop offload_params, or run on CUDA."
+        )
+    meta = _start.has_meta(model)
+    if meta and data == "ddp":
+        raise ValueError(
+            "wrap_model: the model has tensors on the meta device (built under "
+            "init_empty_weights), and strategy 'ddp' replicates real weights. Load them first "
+            "(accel.load_checkpoint_in_model(model, checkpoint)), or shard with "
+            "Parallelism(dp_shard=...) / strategy='fsdp2' and load after wrapping."
+        )
+    agree: Literal["no", "if_different", "always"] = "no"
+    if ctx.world_size > 1 and not meta and (tp or data == "fsdp2"):
+        agree = "always" if options.sync_module_states else "if_different"
+    return WrapPlan(
+        data=data,
+        tp_styles=styles,
+        tp_mesh=mesh_dim(ctx, "tp") if tp else None,
+        agree=agree,
+        checkpointed=tuple(checkpointed),
+        compiled=tuple(blocks) if compile == "regional" else (),
+        compile_whole=compile is True,
+        fsdp=options,
+        fsdp_layers=tuple(layers),
+        fsdp_mesh=_fsdp_mesh(ctx, p) if data == "fsdp2" else None,
+        ddp=ddp or DDPOptions(),
+        ddp_group=_ddp_group(ctx) if data == "ddp" else None,
+    )
+
+
+def _choose(
+    ctx: RunContext,
+    p: Parallelism,
+    strategy: WrapStrategy,
+    *,
+    tp_plan: Any,
+    fsdp: FSDPOptions | None,
+    ddp: DDPOptions | None,
+) -> tuple[Data, bool]:
+    """(data-parallel wrapper, tensor parallel or not); raise for what cannot hold."""
+    if strategy not in get_args(WrapStrategy):
+        raise ValueError(
+            f"wrap_model: strategy={strategy!r} is not one of {get_args(WrapStrategy)}; "
+            "use 'auto' to follow ctx.parallelism."
+        )
+    sharded = p.dp_shard > 1 or p.cp > 1
+    data: Data
+    if strategy == "auto":
+        data = "fsdp2" if sharded else ("ddp" if p.dp_replicate > 1 else "none")
+    else:
+        data = strategy
+    explicit = ctx.parallelism is not None
+    if explicit and data == "fsdp2" and not sharded:
+        raise ValueError(
+            f"wrap_model: strategy='fsdp2' but ctx.parallelism={p} shards over nothing "
+            "(dp_shard=1). Give the context Parallelism(dp_shard=...), or use strategy='auto'."
+        )
+    if explicit and data == "ddp" and sharded:
+        raise ValueError(
+            f"wrap_model: strategy='ddp' but ctx.parallelism={p} has dp_shard={p.dp_shard}; "
+            "DDP would keep full replicas on ranks meant to share. Use strategy='auto'."
+        )
+    tp = p.tp > 1 and strategy != "none"  # "none" is device placement only
+    if tp and tp_plan is None:
+        raise ValueError(
+            f"wrap_model: ctx.parallelism has tp={p.tp} but tp_plan=None; pass the layers to "
+            "split, e.g. tp_plan={'layers.*.attention.wq': 'colwise', ...}, or tp_plan='auto' "
+            "for a Hugging Face model."
+        )
+    if tp_plan is not None and not tp:
+        raise ValueError(
+            f"wrap_model: tp_plan was given but nothing is split (strategy={strategy!r}, "
+            f"tp={p.tp}); build the context with Parallelism(tp=...), or drop tp_plan."
+        )
+    if fsdp is not None and data != "fsdp2":
+        raise ValueError(
+            f"wrap_model: fsdp options were given but strategy={strategy!r} shards nothing with "
+            f"{p} (dp_shard=1); use Parallelism(dp_shard=...) with strategy='auto', or drop fsdp=."
+        )
+    if ddp is not None and data != "ddp":
+        raise ValueError(
+            f"wrap_model: ddp options were given but strategy={strategy!r} applies {data!r}, "
+            "not DDP; drop ddp= or use strategy='ddp'."
+        )
+    if tp and data == "ddp":
+        fix = (
+            f"Shard instead: Parallelism(dp_shard={p.dp_replicate}, tp={p.tp}) applies FSDP2 "
+            "with TP."
+            if p.dp_replicate > 1
+            else "With dp_replicate=1 there is nothing to replicate: use strategy='auto' "
+            "(tensor parallelism alone)."
+        )
+        raise NotImplementedError(
+            f"wrap_model: DDP over dp_replicate={p.dp_replicate} with tp={p.tp} is not "
+            f"supported (strategy={strategy!r}; DDP cannot reduce tensor-parallel DTensor "
+            f"gradients). {fix}"
+        )
+    return data, tp
+
+
+def _checkpointed(
+    ctx: RunContext,
+    model: nn.Module,
+    value: bool | Blocks | None,
+    options: FSDPOptions,
+    blocks: list[nn.Module],
+) -> list[nn.Module]:
+    """The blocks activation checkpointing recomputes: none, the repeated blocks, or by class."""
+    if value is None:  # the launcher's setting, or the deprecated FSDPOptions field
+        value = ctx.activation_checkpointing or options.activation_checkpointing
+    if value is False:
+        return []
+    if value is True:
+        if not blocks:
+            raise ValueError(
+                f"wrap_model: activation_checkpointing=True recomputes each repeated block, and "
+                f"{type(model).__name__} has no nn.ModuleList of repeated blocks; name the "
+                "block class: activation_checkpointing=(Block,) (or the class name)."
+            )
+        return blocks
+    if isinstance(value, tuple) and value:
+        if not all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module))
+                   for c in value):  # fmt: skip
+            raise TypeError(_AC_ALLOWED.format(value=value))
+        return _fsdp.layer_modules(model, value, name="activation_checkpointing")
+    raise TypeError(_AC_ALLOWED.format(value=value))
+
+
+_AC_ALLOWED = (
+    "wrap_model: activation_checkpointing={value!r} must be True, False, None (the launcher's "
+    "setting) or a non-empty tuple of block classes or class names. Use "
+    "activation_checkpointing=True, or activation_checkpointing=(Block,)."
+)
+
+
+def mesh_dim(ctx: RunContext, *names: str) -> Any:
+    """The named dimension(s) of the context's DeviceMesh; raise when it has none."""
+    if ctx.mesh is None:
+        raise RuntimeError(
+            f"wrap_model: ctx.parallelism={ctx.parallelism} splits the world but the context "
+            "has no DeviceMesh; build it with accel.init_distributed(parallelism=...)."
+        )
+    return ctx.mesh[names if len(names) > 1 else names[0]]
+
+
+def _ddp_group(ctx: RunContext) -> Any:
+    return mesh_dim(ctx, "dp_replicate").get_group() if ctx.mesh is not None else None
+
+
+def _fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
+    if ctx.parallelism is None or (ctx.mesh is None and p.dp_shard * p.cp == ctx.world_size):
+        return _fsdp.world_mesh(ctx)  # sharding over the whole group needs no mesh of ours
+    shard = "dp_shard_cp" if p.cp > 1 and p.dp_shard > 1 else ("cp" if p.cp > 1 else "dp_shard")
+    if p.dp_replicate > 1:
+        return mesh_dim(ctx, "dp_replicate", shard)  # HSDP: replicate outer, shard inner
+    return mesh_dim(ctx, shard)
