@@ -20,24 +20,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from accel._dtensor import has_dtensors, is_sharded
+from accel._dtensor import has_dtensors
 from accel._groups import every_rank_step
-from accel._safetensors import manifests
-from accel._safetensors.files import resolve_checkpoint
 from accel._size import parse_size
 from accel.checkpoint import _atomic
 from accel.checkpoint._model_io import (
-    check_against_model,
     dedupe_tied,
     file_layout,
-    fill,
-    load_full_state,
     publish_model_files,
     write_model_files,
 )
-from accel.checkpoint._safetensors_io import read_file
+from accel.checkpoint._model_load import load_into
 from accel.checkpoint._saving import CheckpointHandle, group_of, start_save
-from accel.checkpoint._sharded_io import load_sharded
 from accel.checkpoint._sharded_save import save_sharded
 from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
@@ -207,27 +201,7 @@ def load_checkpoint_in_model(
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device) if device is not None else None
-    files = resolve_checkpoint(fn, checkpoint)
-    manifest_path = files.files[0].parent / manifests.MANIFEST
-    manifest = (
-        manifests.read_manifest(fn, manifest_path.parent) if manifest_path.is_file() else None
-    )
-    inner = unwrap_model(model)
-    if is_sharded(inner):  # each rank reads only its own slices
-        sums = {p: manifests.expected(manifest, p.name) if manifest else None for p in files.files}
-        cpu = device or torch.device("cpu")
-        return LoadResult(*load_sharded(fn, inner, files, sums, device=cpu, strict=strict))
-    loaded: dict[str, torch.Tensor] = {}
-    for path in files.files:
-        expect = manifests.expected(manifest, path.name) if manifest else None
-        loaded.update(read_file(fn, path, expect))
-    state = check_against_model(fn, inner, loaded, strict=strict)
-    if device is None and not any(t.is_meta for t in inner.state_dict(keep_vars=True).values()):
-        load_full_state(inner, state, strict=strict)
-    else:
-        fill(fn, inner, state, device or torch.device("cpu"))
-    own = inner.state_dict().keys()
-    return LoadResult(sorted(own - state.keys()), sorted(loaded.keys() - own))
+    return LoadResult(*load_into(fn, unwrap_model(model), checkpoint, device, strict))
 
 
 # ---------------------------------------------------------------------------------- state
