@@ -18,7 +18,7 @@ import torch
 import accel
 from accel import FSDPOptions, Parallelism
 from accel.testing import run_world
-from tests.dist._llama import TP_PLAN, Block, Llama, batches, full_param, lm_loss, make_model
+from tests.models import TP_PLAN, Block, Llama, batches, full_param, lm_loss, make_model
 
 pytestmark = pytest.mark.dist
 
