@@ -25,12 +25,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Warnings torch itself raises on the paths under test (warnings are errors in this project):
+TORCH_WARNINGS = (
+    # inductor on an Ampere+ card when float32 matmuls do not use TF32 (the suite's fp32 runs)
+    "ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning",
+    # dynamo reads `.grad` of FSDP2's unsharded (non-leaf) parameters while tracing
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning",
+    # autograd's device thread calling cuBLAS before it has made the context current
+    "ignore:Attempting to run cuBLAS, but there was no current CUDA context:UserWarning",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     dry_run = config.getoption("--gpu-dry-run", default=False)
     for item in items:
         if HERE not in Path(str(item.path)).resolve().parents:
             continue
         item.add_marker(pytest.mark.cuda)
+        for ignored in TORCH_WARNINGS:
+            item.add_marker(pytest.mark.filterwarnings(ignored))
         if not dry_run and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 

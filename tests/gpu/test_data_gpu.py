@@ -32,7 +32,8 @@ def test_pinned_non_blocking_batches_arrive_whole_and_equal(device: torch.device
         expected_x, expected_i = data[k * batch : (k + 1) * batch]
         assert torch.equal(x.cpu(), expected_x)
         assert torch.equal(i.cpu(), expected_i)
-        torch.testing.assert_close(sums.cpu(), expected_x.sum(dim=1))
+        # summed on the device in another order: close, not equal
+        torch.testing.assert_close(sums.cpu(), expected_x.sum(dim=1), rtol=1e-4, atol=1e-4)
 
 
 def test_gather_and_gather_for_metrics_of_device_tensors(device: torch.device) -> None:
