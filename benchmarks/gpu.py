@@ -268,14 +268,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-benchmark.json"))
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (5)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per variant a round (4)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (4)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per variant a round (3)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--load-repeats", type=int, default=None, help="GPT-2 loads (5)")
     args = parser.parse_args()
     quick = args.dry_run
-    args.rounds = args.rounds or (2 if quick else 5)
-    args.steps = args.steps or (2 if quick else 4)
+    args.rounds = args.rounds or (2 if quick else 4)
+    args.steps = args.steps or (2 if quick else 3)
     args.load_repeats = args.load_repeats or (1 if quick else 5)
     if quick:
         args.warmup = min(args.warmup, 2)
