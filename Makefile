@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: demo test test-fast lint typecheck bench clean
+.PHONY: demo test test-fast lint typecheck bench clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,16 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy accel accel_cli
+
+# The GPU check runs with the machine's own python and packages (no venv, no download):
+# `make gpu-check` on a lent GPU, `make gpu-check DRY_RUN=1` on a CPU (CI). Logs, the suite's
+# results and the benchmark's figures go to $(OUT) (summary.json).
+PYTHON  ?= python3
+OUT     ?= gpu-check-out
+DRY_RUN ?=
+
+gpu-check:
+	PYTHONPATH=. $(PYTHON) tools/gpu_check.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,7 +22,7 @@ from accel._groups import comm_device, named_collective
 from accel._tree import TreeDef
 from accel.context import RunContext
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both ends of >=2.4.
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; support both ends of >=2.11.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
