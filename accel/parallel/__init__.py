@@ -46,7 +46,9 @@ class _Choice:
     data: Literal["none", "ddp", "fsdp2"]
 
 
-def _choose(ctx: RunContext, strategy: Strategy, *, tp_plan: Any, fsdp: bool, ddp: bool) -> _Choice:
+def _choose(
+    ctx: RunContext, strategy: Strategy, *, tp_plan: Any, fsdp: bool, ddp: DDPOptions | None
+) -> _Choice:
     """Decide from the context and the arguments; raise for combinations that cannot hold."""
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
     sharded = p.dp_shard > 1 or p.cp > 1
@@ -83,9 +85,12 @@ def _choose(ctx: RunContext, strategy: Strategy, *, tp_plan: Any, fsdp: bool, dd
             f"wrap_model: fsdp options were given but strategy={strategy!r} shards nothing with "
             f"{p} (dp_shard=1); use Parallelism(dp_shard=...) with strategy='auto', or drop fsdp=."
         )
-    if ddp and data != "ddp":
+    if ddp is not None and data != "ddp":
+        what = "ddp options were given"
+        if ddp.comm_hook is not None:
+            what = f"ddp=DDPOptions(comm_hook={ddp.comm_hook!r}) is a DDP communication hook"
         raise ValueError(
-            f"wrap_model: ddp options were given but strategy={strategy!r} applies {data!r}, "
+            f"wrap_model: {what} but strategy={strategy!r} applies {data!r}, "
             "not DDP; drop ddp= or use strategy='ddp'."
         )
     if tp and data == "ddp":
@@ -125,7 +130,7 @@ def wrap_model(
             torch ParallelStyle; or "auto" for a Hugging Face model's `base_model_tp_plan`.
         fsdp: FSDP2 options (layer classes, reshard, mixed precision, activation
             checkpointing); default `ctx.fsdp`, the launcher config's.
-        ddp: DistributedDataParallel options.
+        ddp: DistributedDataParallel options and its communication hook (`comm_hook`).
         compile: False, True (whole model, last) or "regional" (each repeated block, before
             sharding); default `ctx.compile`.
 
@@ -170,7 +175,7 @@ def wrap_model(
     if compile not in (False, True, "regional"):
         raise ValueError(f"wrap_model: compile={compile!r} must be False, True or 'regional'.")
     options = fsdp if fsdp is not None else ctx.fsdp
-    choice = _choose(ctx, strategy, tp_plan=tp_plan, fsdp=options is not None, ddp=ddp is not None)
+    choice = _choose(ctx, strategy, tp_plan=tp_plan, fsdp=options is not None, ddp=ddp)
     return _apply(ctx, model, choice, tp_plan, options or FSDPOptions(), ddp, compile)
 
 
