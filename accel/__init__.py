@@ -66,6 +66,11 @@ from accel.distributed import (
     split_between_processes,
     wait_for_everyone,
 )
+from accel.local_sgd import (
+    average_parameters,
+    local_sgd,
+    local_sgd_step,
+)
 from accel.logging import (
     RankLogger,
     get_logger,
@@ -119,6 +124,7 @@ __all__ = [
     "along",
     "any_rank",
     "autocast",
+    "average_parameters",
     "broadcast",
     "broadcast_object",
     "check_optimizer",
@@ -144,6 +150,8 @@ __all__ = [
     "load_checkpoint_in_model",
     "load_config",
     "load_state",
+    "local_sgd",
+    "local_sgd_step",
     "log_hparams",
     "log_metrics",
     "main_process_first",
