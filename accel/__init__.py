@@ -60,6 +60,11 @@ from accel.distributed import (
     init_distributed,
     shutdown,
 )
+from accel.local_sgd import (
+    average_parameters,
+    local_sgd,
+    local_sgd_step,
+)
 from accel.logging import (
     RankLogger,
     get_logger,
@@ -135,6 +140,7 @@ __all__ = [
     "along",
     "any_rank",
     "autocast",
+    "average_parameters",
     "broadcast",
     "broadcast_object",
     "check_optimizer",
@@ -161,6 +167,8 @@ __all__ = [
     "load_config",
     "load_state",
     "local_main_process_first",
+    "local_sgd",
+    "local_sgd_step",
     "log_hparams",
     "log_metrics",
     "main_process_first",

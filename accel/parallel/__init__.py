@@ -59,7 +59,7 @@ def wrap_model(
             torch ParallelStyle; or "auto" for a Hugging Face model's `base_model_tp_plan`.
         fsdp: FSDP2 options (layer classes, reshard, mixed precision); default `ctx.fsdp`, the
             launcher config's.
-        ddp: DistributedDataParallel options.
+        ddp: DistributedDataParallel options and its communication hook (`comm_hook`).
         compile: False, True (whole model, last) or "regional" (each repeated block, before
             sharding); default `ctx.compile`.
         activation_checkpointing: recompute blocks' activations in backward (non-reentrant

@@ -180,8 +180,11 @@ def _choose(
             f"{p} (dp_shard=1); use Parallelism(dp_shard=...) with strategy='auto', or drop fsdp=."
         )
     if ddp is not None and data != "ddp":
+        what = "ddp options were given"
+        if ddp.comm_hook is not None:
+            what = f"ddp=DDPOptions(comm_hook={ddp.comm_hook!r}) is a DDP communication hook"
         raise ValueError(
-            f"wrap_model: ddp options were given but strategy={strategy!r} applies {data!r}, "
+            f"wrap_model: {what} but strategy={strategy!r} applies {data!r}, "
             "not DDP; drop ddp= or use strategy='ddp'."
         )
     if tp and data == "ddp":
