@@ -43,7 +43,7 @@ class RemoteTraceback(Exception):
 
 
 def _worker(
-    call: bytes,
+    call: bytes | tuple[Callable[..., Any], tuple[Any, ...]],
     rank: int,
     world_size: int,
     port: int,
@@ -86,7 +86,7 @@ def _worker(
         # Unpickled here rather than by multiprocessing before this function runs, so a function
         # the fresh interpreter cannot import is reported like any other error of the rank.
         try:
-            fn, args = pickle.loads(call)
+            fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         except Exception as err:
             raise RuntimeError(
                 f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
@@ -210,13 +210,18 @@ def _start_world(
 ) -> list[Any]:
     """The machinery of `run_world` and `accel.notebook_launch`, arguments already checked:
     the store on port 0, one process per rank, the deadline, the first error re-raised."""
-    try:
-        call = pickle.dumps((fn, tuple(args)))
-    except (pickle.PicklingError, AttributeError, TypeError) as err:
-        raise TypeError(
-            f"{caller}: fn={fn!r} (with its args) cannot be sent to the spawned ranks ({err}); "
-            "define fn at the top level of an importable module and pass picklable args."
-        ) from err
+    # A forked rank inherits fn and args as they are (closures included); a spawned one gets
+    # them pickled, and unpickles them itself so that a failed import is reported as its error.
+    call: bytes | tuple[Callable[..., Any], tuple[Any, ...]] = (fn, tuple(args))
+    if start_method != "fork":
+        try:
+            call = pickle.dumps(call)
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                f"{caller}: fn={fn!r} (with its args) cannot be sent to the spawned ranks "
+                f"({err}); define fn at the top level of an importable module and pass "
+                "picklable args."
+            ) from err
     start: Any = mp.get_context(start_method)
     store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="accel-run-world-") as outdir:
