@@ -49,6 +49,7 @@ def wait_for_everyone(ctx: RunContext) -> None:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import RunContext, wait_for_everyone
         >>> wait_for_everyone(RunContext())
     """
     barrier(ctx, "wait_for_everyone")
@@ -72,6 +73,7 @@ def main_process_first(ctx: RunContext) -> Iterator[None]:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import RunContext, main_process_first
         >>> with main_process_first(RunContext()):
         ...     pass
     """
@@ -98,6 +100,7 @@ def local_main_process_first(ctx: RunContext) -> Iterator[None]:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import RunContext, local_main_process_first
         >>> with local_main_process_first(RunContext()):
         ...     pass
     """
@@ -131,6 +134,7 @@ def on_main_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R
         returns its result there, and returns None on other ranks without calling it.
 
     Example:
+        >>> from accel import RunContext, on_main_process
         >>> @on_main_process(RunContext())
         ... def hello() -> str:
         ...     return "hi"
@@ -156,6 +160,7 @@ def on_local_main_process(
         it.
 
     Example:
+        >>> from accel import RunContext, on_local_main_process
         >>> ctx = RunContext(rank=2, local_rank=0, world_size=4, local_world_size=2)
         >>> @on_local_main_process(ctx)
         ... def hello() -> str:
@@ -179,6 +184,7 @@ def on_last_process(ctx: RunContext) -> Callable[[Callable[P, R]], Callable[P, R
         returns its result there, and returns None on other ranks without calling it.
 
     Example:
+        >>> from accel import RunContext, on_last_process
         >>> @on_last_process(RunContext(rank=0, world_size=2))
         ... def hello() -> str:
         ...     return "hi"
@@ -207,6 +213,7 @@ def on_process(ctx: RunContext, rank: int) -> Callable[[Callable[P, R]], Callabl
             nowhere).
 
     Example:
+        >>> from accel import RunContext, on_process
         >>> @on_process(RunContext(rank=1, world_size=2), 1)
         ... def hello() -> str:
         ...     return "hi from rank 1"
@@ -246,6 +253,7 @@ def run_on_main(ctx: RunContext, fn: Callable[..., R], *args: Any) -> R | None:
         What `fn` returned, on the main process; None on other ranks.
 
     Example:
+        >>> from accel import RunContext, run_on_main
         >>> run_on_main(RunContext(), max, 1, 2)
         2
     """
@@ -269,6 +277,7 @@ def any_rank(ctx: RunContext, flag: bool) -> bool:
             collective fails or times out (another rank did not make the same call).
 
     Example:
+        >>> from accel import RunContext, any_rank
         >>> any_rank(RunContext(), False)
         False
     """
@@ -307,6 +316,7 @@ def split_between_processes(ctx: RunContext, items: T, *, pad: bool = False) -> 
             too).
 
     Example:
+        >>> from accel import RunContext, split_between_processes
         >>> ctx = RunContext(rank=1, world_size=2)
         >>> split_between_processes(ctx, ["a", "b", "c"])
         ['c']

@@ -108,7 +108,10 @@ def profile(
         TypeError: when `output_dir` is not a path.
 
     Example:
+        >>> from accel import RunContext, profile
+        >>> import torch
         >>> import tempfile
+        >>> from pathlib import Path
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     with profile(RunContext(), output_dir=folder):
         ...         _ = torch.ones(4) @ torch.ones(4)

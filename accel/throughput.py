@@ -65,6 +65,7 @@ def num_flops_per_token(
         ValueError: for a count that is not an int >= 1 (`num_params`) or >= 0 (the others).
 
     Example:
+        >>> from accel import num_flops_per_token
         >>> num_flops_per_token(1_000)
         6000
         >>> num_flops_per_token(1_000, num_layers=2, num_heads=4, head_dim=8, seq_len=16)
@@ -113,6 +114,7 @@ def throughput_metrics(
             token count that is not an int >= 0.
 
     Example:
+        >>> from accel import throughput_metrics
         >>> throughput_metrics(step_time_s=0.5, num_tokens=4096, flops_per_token=6e9,
         ...                    peak_flops=1e14)
         {'tokens_per_s': 8192.0, 'tflops_per_s': 49.152, 'mfu': 0.49152}
