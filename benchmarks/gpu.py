@@ -41,8 +41,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.gpu.plumbing
 
 import accel
-from tests.dist._llama import lm_loss
 from tests.gpu import plumbing
+from tests.models import lm_loss
 
 FULL = plumbing.LlamaSizes(vocab=32000, dim=2048, heads=16, layers=16, seq=2048, batch=4)
 TINY = plumbing.LlamaSizes(vocab=64, dim=32, heads=4, layers=2, seq=32, batch=2)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,6 +67,8 @@ def _compile_for_this_run(request: pytest.FixtureRequest) -> Iterator[None]:
     trace exactly as on the GPU, without minutes of C++ builds on a 2-core CI machine."""
     had = _INDUCTOR_VAR in os.environ
     if request.config.getoption("--gpu-dry-run"):
+        import torch._dynamo  # only here: importing dynamo costs seconds in every test session
+
         with torch._dynamo.config.patch(debug_backend_override=">=0:aot_eager"):
             yield
     else:

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accel
-from tests.dist._llama import Block, Llama, lm_loss
-from tests.hf_shapes import GPT2_124M, GPT2LMHead, Shape
+from tests.models import GPT2_124M, Block, GPT2LMHead, Llama, Shape, lm_loss
 
 
 @dataclass(frozen=True)

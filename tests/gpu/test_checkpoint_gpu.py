@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import accel
-from tests.dist._llama import Block, lm_loss
 from tests.gpu import plumbing
+from tests.models import Block, lm_loss
 
 WIDTH = 64
 
