@@ -99,6 +99,9 @@ class RunContext:
     """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
     compile: CompileMode = False
     """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
+    log_with: tuple[str, ...] = ()
+    """Tracker names a launcher config asked for (Accelerate's `log_with`); `init_trackers`
+    builds them when given names=None."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
 
@@ -136,6 +139,13 @@ class RunContext:
         if self.compile not in (False, True, "regional"):
             raise ValueError(
                 f"RunContext: compile={self.compile!r} must be False, True or 'regional'."
+            )
+        if not isinstance(self.log_with, tuple) or not all(
+            isinstance(n, str) for n in self.log_with
+        ):
+            raise TypeError(
+                f"RunContext: log_with={self.log_with!r} must be a tuple of tracker names, "
+                "e.g. ('wandb',)."
             )
         if not isinstance(self.sources, MappingProxyType):
             object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))

@@ -36,6 +36,7 @@ _OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
     ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
     ("seed", int, "base seed recorded in every process's RunContext"),
+    ("log_with", str, "trackers init_trackers builds by default, e.g. wandb,mlflow"),
 )
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
@@ -235,6 +236,8 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
         env |= _env_vars.fsdp_environment(settings["fsdp"][0])
     if "compile" in settings:
         env[_env_vars.ENV_COMPILE] = str(settings["compile"][0]).lower()
+    if config.log_with:
+        env[_env_vars.ENV_LOG_WITH] = ",".join(config.log_with)
     return env
 
 
