@@ -19,6 +19,7 @@ from typing import Any
 
 from accel import _accelerate_config, _env_vars
 from accel import config as _config
+from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._args import add_flag
 
 # Flags that override a config key of the same name, and their types.
@@ -250,6 +251,12 @@ def run(args: argparse.Namespace) -> int:
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
+    # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
+    # exports them; what cannot reach such code is said here, once.
+    accelerate_env, unreachable = accelerate_environment(config)
+    os.environ.update(accelerate_env)
+    for line in unreachable:
+        print(f"accel launch: warning: {line}", file=sys.stderr)
     try:
         torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
