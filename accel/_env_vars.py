@@ -21,6 +21,9 @@ ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
 ENV_COMPILE = "ACCEL_COMPILE"
 ENV_ACTIVATION_CHECKPOINTING = "ACCEL_ACTIVATION_CHECKPOINTING"
 ENV_FSDP_PREFIX = "ACCEL_FSDP_"
+ENV_LOG_WITH = "ACCEL_LOG_WITH"
+# Trackers accel builds by name without a registry (accel.tracking.BUILTIN_TRACKERS).
+BUILTIN_TRACKER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 ENV_MESH = MappingProxyType(
     {
         "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
@@ -41,6 +44,38 @@ def parse_precision(key: str, value: Any) -> Precision:
             f"{get_args(Precision)} (or Accelerate's 'no'). Example: mixed_precision: bf16"
         )
     return cast(Precision, text)
+
+
+def check_tracker_name(function: str, name: Any) -> str:
+    """`name` if it can name a tracker (a registry key or "package.module:Factory")."""
+    if not isinstance(name, str) or not name or name.strip() != name or "," in name:
+        raise ValueError(
+            f"{function}: tracker name {name!r} is not a name; expected e.g. 'wandb' or "
+            "'package.module:MyTracker'."
+        )
+    if name == "all":
+        raise ValueError(
+            f"{function}: tracker name 'all' is not supported; accel builds the trackers you "
+            f"name, e.g. {list(BUILTIN_TRACKER_NAMES)}. List them."
+        )
+    return name
+
+
+def parse_log_with(key: str, value: Any) -> tuple[str, ...]:
+    """Tracker names from a config value: a list, or one comma-separated string."""
+    if value is None or value == "":
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(
+            f"config: {key}={value!r} must be a list of tracker names or 'wandb,mlflow'."
+        )
+    parsed = tuple(
+        check_tracker_name(f"config: {key}", n.strip() if isinstance(n, str) else n) for n in names
+    )
+    if len(set(parsed)) != len(parsed):
+        raise ValueError(f"config: {key}={value!r} repeats a tracker name; list each once.")
+    return parsed
 
 
 def env_settings(
@@ -92,16 +127,21 @@ def env_settings(
     if ENV_COMPILE in environ:
         text = environ[ENV_COMPILE]
         spelled = {"false": False, "true": True, "regional": "regional"}.get(text.lower(), text)
-        mode = check_compile("init_distributed", spelled, name=ENV_COMPILE)
+        mode = check_compile(fn, spelled, name=ENV_COMPILE)
         found["compile"] = (mode, f"env {ENV_COMPILE}")
     if ENV_ACTIVATION_CHECKPOINTING in environ:
         text = environ[ENV_ACTIVATION_CHECKPOINTING]
         if text.lower() not in ("true", "false"):
             raise ValueError(
-                f"init_distributed: {ENV_ACTIVATION_CHECKPOINTING}={text!r} must be true or false."
+                f"{fn}: {ENV_ACTIVATION_CHECKPOINTING}={text!r} must be true or false."
             )
         source = f"env {ENV_ACTIVATION_CHECKPOINTING}"
         found["activation_checkpointing"] = (text.lower() == "true", source)
+    if ENV_LOG_WITH in environ:
+        found["log_with"] = (
+            parse_log_with(ENV_LOG_WITH, environ[ENV_LOG_WITH]),
+            f"env {ENV_LOG_WITH}",
+        )
     return found
 
 

@@ -18,6 +18,7 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_FSDP_<FIELD>`     | `fsdp`             | e.g. `ACCEL_FSDP_LAYER_CLASSES=Block`  |
 | `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
 | `ACCEL_ACTIVATION_CHECKPOINTING` | `activation_checkpointing` | true, false |
+| `ACCEL_LOG_WITH`         | `log_with`         | wandb,mlflow (names)   |
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from accel import _accelerate_config
-from accel._env_vars import ENV_CONFIG_FILE, env_settings, parse_precision
+from accel._env_vars import ENV_CONFIG_FILE, env_settings, parse_log_with, parse_precision
 from accel._parallelism import Parallelism
 from accel._typing import Precision
 
@@ -181,6 +182,8 @@ class Config:
     """Accelerate's `parallelism_config` keys (`parallelism_config_tp_size`, ...), as pairs."""
     dynamo_config: Section = ()
     """Accelerate's `dynamo_config` keys (`dynamo_backend`, ...), as pairs."""
+    log_with: tuple[str, ...] = ()
+    """Trackers `init_trackers(ctx, None, ...)` builds (Accelerate's `log_with`), by name."""
 
 
 _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
@@ -203,6 +206,7 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "fsdp_config": _section,
         "parallelism_config": _section,
         "dynamo_config": _section,
+        "log_with": parse_log_with,
     }
 )
 assert set(_PARSERS) == {f.name for f in fields(Config)}
@@ -296,6 +300,7 @@ def as_mapping(config: Config) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(config)}
     for name in ("fsdp_config", "parallelism_config", "dynamo_config"):
         out[name] = dict(out[name])
+    out["log_with"] = list(config.log_with)
     return out
 
 
@@ -406,6 +411,8 @@ def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
         found["compile"] = (compile, source)
     if checkpointing:
         found["activation_checkpointing"] = (True, source)
+    if config.log_with:
+        found["log_with"] = (config.log_with, source)
     return found
 
 

@@ -123,6 +123,9 @@ class RunContext:
     activation_checkpointing: bool = False
     """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
     `wrap_model` uses it when given none."""
+    log_with: tuple[str, ...] = ()
+    """Tracker names a launcher config asked for (Accelerate's `log_with`); `init_trackers`
+    builds them when given names=None."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
 
@@ -163,6 +166,13 @@ class RunContext:
             raise TypeError(
                 f"RunContext: activation_checkpointing={self.activation_checkpointing!r} must "
                 "be True or False."
+            )
+        if not isinstance(self.log_with, tuple) or not all(
+            isinstance(n, str) for n in self.log_with
+        ):
+            raise TypeError(
+                f"RunContext: log_with={self.log_with!r} must be a tuple of tracker names, "
+                "e.g. ('wandb',)."
             )
         if not isinstance(self.sources, MappingProxyType):
             object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))

@@ -148,6 +148,7 @@ def init_distributed(
         fsdp=settings.get("fsdp", (None, ""))[0],
         compile=settings.get("compile", (False, ""))[0],
         activation_checkpointing=settings.get("activation_checkpointing", (False, ""))[0],
+        log_with=settings.get("log_with", ((), ""))[0],
         sources=sources,
     )
     if "parallelism" not in settings:

@@ -33,6 +33,7 @@ LAUNCH_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
     ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
     ("seed", int, "base seed recorded in every process's RunContext"),
+    ("log_with", str, "trackers init_trackers builds by default, e.g. wandb,mlflow"),
 )
 
 # Accelerate's nested config sections and the `accelerate launch` flags that fill them (the
@@ -77,7 +78,7 @@ _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "Arguments related to the ParallelismConfig used for distributed training.",
      (*SECTION_FLAGS[1][1], "tp_size")),
     ("Training Settings (accel)", "Settings recorded in every process's RunContext.",
-     ("gradient_accumulation_steps", "seed")),
+     ("gradient_accumulation_steps", "seed", "log_with")),
 )  # fmt: skip
 
 _FLAG_HELP = {

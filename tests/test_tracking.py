@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import sys
@@ -12,14 +13,22 @@ import pytest
 import torch
 
 from accel import (
+    BUILTIN_TRACKERS,
+    Config,
     JSONLTracker,
     RunContext,
     TensorBoardTracker,
     Tracker,
+    init_trackers,
+    load_config,
     log_hparams,
     log_metrics,
     progress,
+    register_tracker,
 )
+from accel._env_vars import env_settings
+from accel.config import parse_config
+from tests import tracker_plugin
 
 MAIN = RunContext(rank=0, world_size=2, device=torch.device("cpu"))
 OTHER = RunContext(rank=1, world_size=2, device=torch.device("cpu"))
@@ -203,3 +212,124 @@ def test_progress_gives_every_rank_a_bar_with_the_same_methods(
     with pytest.warns(UserWarning, match=r"tqdm is not installed.*accel-train\[tqdm\]"):
         bar = progress(MAIN, items)
     _use_like_accelerate(bar, items)
+
+
+def test_init_trackers_builds_by_name_and_stores_the_config(tmp_path: Path) -> None:
+    config = {"lr": 0.5, "layers": 2}
+    trackers = init_trackers(MAIN, ["jsonl"], project="p", config=config, directory=tmp_path)
+    assert [type(t) for t in trackers] == [JSONLTracker]
+    log_metrics(MAIN, {"loss": 1.0}, step=0, trackers=trackers)
+    for tracker in trackers:
+        tracker.close()
+    assert _lines(tmp_path / "p" / "metrics.jsonl") == [
+        {"hparams": config},
+        {"step": 0, "loss": 1.0},
+    ]
+
+
+def test_init_trackers_on_other_ranks_builds_nothing(tmp_path: Path) -> None:
+    registry = register_tracker("list", tracker_plugin.ListTracker)
+    names = ["jsonl", "list", "tests.tracker_plugin:ListTracker"]
+    trackers = init_trackers(
+        OTHER, ["jsonl", "list"], project="p", config={"a": 1}, directory=tmp_path,
+        registry=registry,
+    )  # fmt: skip
+    assert len(trackers) == 2 and all(isinstance(t, Tracker) for t in trackers)
+    for tracker in trackers:
+        tracker.log({"x": 1.0}, step=0)  # even called directly, a stand-in writes nothing
+        tracker.log_hparams({"a": 1})
+        tracker.close()
+    assert list(tmp_path.iterdir()) == []
+    # The same names on the main process: a user's tracker by registry and by import path.
+    (first, second) = init_trackers(MAIN, names[1:], project="p", directory=tmp_path,
+                                    config={"a": 1}, registry=registry)  # fmt: skip
+    log_metrics(MAIN, {"x": 2}, step=4, trackers=[first, second])
+    first.close()
+    second.close()
+    assert (tmp_path / "p" / "calls.txt").read_text().splitlines() == [
+        "hparams [('a', 1)]", "hparams [('a', 1)]", "log 4 [('x', 2)]", "log 4 [('x', 2)]",
+        "close", "close",
+    ]  # fmt: skip
+
+
+def test_register_tracker_returns_a_new_registry() -> None:
+    registry = register_tracker("list", tracker_plugin.ListTracker)
+    assert registry["list"] is tracker_plugin.ListTracker
+    assert "list" not in BUILTIN_TRACKERS  # nothing process-wide changed
+    assert list(BUILTIN_TRACKERS) == ["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]
+    with pytest.raises(TypeError):
+        registry["other"] = tracker_plugin.ListTracker  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"name='wandb' is already registered"):
+        register_tracker("wandb", tracker_plugin.ListTracker)
+    with pytest.raises(ValueError, match=r"name='a:b' contains ':'"):
+        register_tracker("a:b", tracker_plugin.ListTracker)
+    with pytest.raises(TypeError, match=r"factory=3 is not callable"):
+        register_tracker("three", 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("names", "error", "match"),
+    [
+        (["comet_ml"], ValueError, r"tracker name 'comet_ml' is not known; expected one of"),
+        (["all"], ValueError, r"tracker name 'all' is not supported"),
+        (["jsonl", "jsonl"], ValueError, r"repeats a name"),
+        ("jsonl", TypeError, r"names='jsonl' must be a list of tracker names"),
+        (["no_such_module:X"], ValueError, r"'no_such_module:X' does not import"),
+        (["tests.tracker_plugin:Missing"], ValueError, r"does not import"),
+        ([" wandb"], ValueError, r"tracker name ' wandb' is not a name"),
+        (None, ValueError, r"names=None and the run's config names no trackers"),
+    ],
+)
+def test_bad_tracker_names_are_refused_on_every_rank(
+    tmp_path: Path, names: Any, error: type[Exception], match: str
+) -> None:
+    for ctx in (MAIN, OTHER):
+        with pytest.raises(error, match=match):
+            init_trackers(ctx, names, project="p", directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_trackers_need_a_directory() -> None:
+    with pytest.raises(ValueError, match=r"directory=None but 'tensorboard' writes files"):
+        init_trackers(MAIN, ["tensorboard"], project="p")
+
+
+def test_names_come_from_the_run_config(tmp_path: Path) -> None:
+    config = load_config_text(tmp_path, "log_with: [jsonl, tensorboard]\n")
+    assert config.log_with == ("jsonl", "tensorboard")
+    assert parse_config({"log_with": "jsonl,tests.tracker_plugin:ListTracker"}).log_with == (
+        "jsonl",
+        "tests.tracker_plugin:ListTracker",
+    )
+    with pytest.raises(ValueError, match=r"log_with: tracker name 'all' is not supported"):
+        parse_config({"log_with": "all"})
+    ctx = dataclasses.replace(MAIN, log_with=config.log_with)
+    trackers = init_trackers(ctx, None, project="p", directory=tmp_path)
+    assert [type(t) for t in trackers] == [JSONLTracker, TensorBoardTracker]
+    for tracker in trackers:
+        tracker.close()
+    assert env_settings({"ACCEL_LOG_WITH": "wandb,mlflow"})["log_with"] == (
+        ("wandb", "mlflow"),
+        "env ACCEL_LOG_WITH",
+    )
+
+
+def load_config_text(folder: Path, text: str) -> Config:
+    path = folder / "c.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "package", "module"),
+    [("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow.tracking"),
+     ("trackio", "trackio", "trackio")],
+)  # fmt: skip
+def test_missing_service_packages_name_the_extra(
+    monkeypatch: pytest.MonkeyPatch, name: str, package: str, module: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if the package were not installed
+    with pytest.raises(ImportError, match=rf"pip install 'accel\[{package}\]'"):
+        init_trackers(MAIN, [name], project="p")
+    # Other ranks never import it.
+    assert len(init_trackers(OTHER, [name], project="p")) == 1

@@ -21,6 +21,7 @@ from typing import Any
 
 from accel import _env_vars
 from accel import config as _config
+from accel.cli._accelerate_env import accelerate_environment
 from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
@@ -174,6 +175,8 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
     if "activation_checkpointing" in settings:
         value = settings["activation_checkpointing"][0]
         env[_env_vars.ENV_ACTIVATION_CHECKPOINTING] = str(value).lower()
+    if config.log_with:
+        env[_env_vars.ENV_LOG_WITH] = ",".join(config.log_with)
     return env
 
 
@@ -187,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
+    # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
+    # exports them; what cannot reach such code is said here, once.
+    accelerate_env, unreachable = accelerate_environment(config)
+    os.environ.update(accelerate_env)
+    for line in unreachable:
+        print(f"accel launch: warning: {line}", file=sys.stderr)
     try:
         torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
