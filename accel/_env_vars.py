@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from types import MappingProxyType
 from typing import Any, cast, get_args
@@ -32,6 +33,98 @@ ENV_MESH = MappingProxyType(
         "tp": "ACCEL_TP_SIZE",
     }
 )
+
+
+# Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
+UNSUPPORTED_TYPES = MappingProxyType(
+    {
+        "DEEPSPEED": "accel does not wrap DeepSpeed; use FSDP (wrap_model(strategy='fsdp2'))",
+        "MEGATRON_LM": "accel does not wrap Megatron-LM",
+        "XLA": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "TPU": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "MULTI_NPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_XPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_MLU": "accel supports cpu, cuda and mps devices",
+    }
+)
+
+
+def parse_int(minimum: int) -> Callable[[str, Any], int]:
+    def parse(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"config: {key}={value!r} must be an integer >= {minimum}. Fix the value in "
+                "the config file or on the command line."
+            )
+        return value
+
+    return parse
+
+
+def parse_optional_int(minimum: int) -> Callable[[str, Any], int | None]:
+    inner = parse_int(minimum)
+    return lambda key, value: None if value is None else inner(key, value)
+
+
+def parse_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"config: {key}={value!r} must be true or false.")
+    return value
+
+
+def parse_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, int)):
+        raise ValueError(f"config: {key}={value!r} must be a string.")
+    return str(value)
+
+
+def parse_distributed_type(key: str, value: Any) -> str:
+    text = str(value).upper()
+    if text in UNSUPPORTED_TYPES:
+        raise NotImplementedError(f"config: {key}={value!r}: {UNSUPPORTED_TYPES[text]}.")
+    if text not in DISTRIBUTED_TYPES:
+        raise ValueError(
+            f"config: {key}={value!r} is not known; expected one of {DISTRIBUTED_TYPES}."
+        )
+    return text
+
+
+def parse_float(key: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"config: {key}={value!r} must be a finite number > 0, e.g. 0.1.")
+    return float(value)
+
+
+Section = tuple[tuple[str, Any], ...]
+
+
+def parse_section(key: str, value: Any) -> Section:
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, list)):  # pairs: a Config turned back into a mapping
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config: {key}={value!r} must be a mapping of keys to values.")
+    return tuple(sorted(value.items()))
+
+
+def parse_port(key: str, value: Any) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
+    ):
+        raise ValueError(
+            f"config: {key}={value!r} is not a TCP port; expected an integer in [0, 65535] "
+            "(0 picks a free port on a single machine)."
+        )
+    return value
 
 
 def parse_precision(key: str, value: Any) -> Precision:

@@ -23,7 +23,6 @@ reads them once and records each value's source in `RunContext.sources`:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -32,25 +31,26 @@ from types import MappingProxyType
 from typing import Any
 
 from accel import _accelerate_config
-from accel._env_vars import ENV_CONFIG_FILE, env_settings, parse_log_with, parse_precision
+from accel._env_vars import (
+    ENV_CONFIG_FILE,
+    Section,
+    env_settings,
+    parse_bool,
+    parse_distributed_type,
+    parse_float,
+    parse_int,
+    parse_log_with,
+    parse_optional_int,
+    parse_port,
+    parse_precision,
+    parse_section,
+    parse_str,
+)
 from accel._parallelism import Parallelism
 from accel._typing import Precision
 
 __all__ = ["Config", "default_config_path", "load_config"]
 
-# Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
-_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
-_UNSUPPORTED_TYPES = MappingProxyType(
-    {
-        "DEEPSPEED": "accel does not wrap DeepSpeed; use FSDP (wrap_model(strategy='fsdp2'))",
-        "MEGATRON_LM": "accel does not wrap Megatron-LM",
-        "XLA": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
-        "TPU": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
-        "MULTI_NPU": "accel supports cpu, cuda and mps devices",
-        "MULTI_XPU": "accel supports cpu, cuda and mps devices",
-        "MULTI_MLU": "accel supports cpu, cuda and mps devices",
-    }
-)
 # Keys Accelerate writes that have no effect in accel; accepted so its files load unchanged.
 _IGNORED_KEYS = frozenset(
     {
@@ -60,83 +60,6 @@ _IGNORED_KEYS = frozenset(
         "megatron_lm_config", "deepspeed_config", "use_mps_device", "same_network",
     }
 )  # fmt: skip
-
-
-def _int(minimum: int) -> Callable[[str, Any], int]:
-    def parse(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(
-                f"config: {key}={value!r} must be an integer >= {minimum}. Fix the value in "
-                "the config file or on the command line."
-            )
-        return value
-
-    return parse
-
-
-def _optional_int(minimum: int) -> Callable[[str, Any], int | None]:
-    inner = _int(minimum)
-    return lambda key, value: None if value is None else inner(key, value)
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"config: {key}={value!r} must be true or false.")
-    return value
-
-
-def _str(key: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, int)):
-        raise ValueError(f"config: {key}={value!r} must be a string.")
-    return str(value)
-
-
-def _distributed_type(key: str, value: Any) -> str:
-    text = str(value).upper()
-    if text in _UNSUPPORTED_TYPES:
-        raise NotImplementedError(f"config: {key}={value!r}: {_UNSUPPORTED_TYPES[text]}.")
-    if text not in _DISTRIBUTED_TYPES:
-        raise ValueError(
-            f"config: {key}={value!r} is not known; expected one of {_DISTRIBUTED_TYPES}."
-        )
-    return text
-
-
-def _float(key: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"config: {key}={value!r} must be a finite number > 0, e.g. 0.1.")
-    return float(value)
-
-
-Section = tuple[tuple[str, Any], ...]
-
-
-def _section(key: str, value: Any) -> Section:
-    if value is None:
-        return ()
-    if isinstance(value, (tuple, list)):  # pairs: a Config turned back into a mapping
-        value = dict(value)
-    if not isinstance(value, Mapping):
-        raise ValueError(f"config: {key}={value!r} must be a mapping of keys to values.")
-    return tuple(sorted(value.items()))
-
-
-def _port(key: str, value: Any) -> int | None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
-    ):
-        raise ValueError(
-            f"config: {key}={value!r} is not a TCP port; expected an integer in [0, 65535] "
-            "(0 picks a free port on a single machine)."
-        )
-    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,24 +111,24 @@ class Config:
 
 _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
     {
-        "distributed_type": _distributed_type,
-        "num_processes": _int(1),
-        "num_machines": _int(1),
-        "machine_rank": _int(0),
-        "main_process_ip": _str,
-        "main_process_port": _port,
+        "distributed_type": parse_distributed_type,
+        "num_processes": parse_int(1),
+        "num_machines": parse_int(1),
+        "machine_rank": parse_int(0),
+        "main_process_ip": parse_str,
+        "main_process_port": parse_port,
         "rdzv_backend": lambda k, v: _choice(k, v, ("static", "c10d")),
         "mixed_precision": parse_precision,
-        "gradient_accumulation_steps": _int(1),
-        "seed": _optional_int(0),
-        "use_cpu": _bool,
-        "gpu_ids": _str,
-        "max_restarts": _int(0),
-        "monitor_interval": _float,
-        "num_cpu_threads_per_process": _optional_int(1),
-        "fsdp_config": _section,
-        "parallelism_config": _section,
-        "dynamo_config": _section,
+        "gradient_accumulation_steps": parse_int(1),
+        "seed": parse_optional_int(0),
+        "use_cpu": parse_bool,
+        "gpu_ids": parse_str,
+        "max_restarts": parse_int(0),
+        "monitor_interval": parse_float,
+        "num_cpu_threads_per_process": parse_optional_int(1),
+        "fsdp_config": parse_section,
+        "parallelism_config": parse_section,
+        "dynamo_config": parse_section,
         "log_with": parse_log_with,
     }
 )

@@ -329,7 +329,7 @@ def test_missing_service_packages_name_the_extra(
     monkeypatch: pytest.MonkeyPatch, name: str, package: str, module: str
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # as if the package were not installed
-    with pytest.raises(ImportError, match=rf"pip install 'accel\[{package}\]'"):
+    with pytest.raises(ImportError, match=rf"pip install 'accel-train\[{package}\]'"):
         init_trackers(MAIN, [name], project="p")
     # Other ranks never import it.
     assert len(init_trackers(OTHER, [name], project="p")) == 1
