@@ -43,7 +43,7 @@ SECTION_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "fsdp_version", "fsdp_auto_wrap_policy", "fsdp_state_dict_type", "fsdp_use_orig_params",
         "fsdp_forward_prefetch", "fsdp_backward_prefetch", "fsdp_cpu_ram_efficient_loading",
         "fsdp_sharding_strategy", "fsdp_min_num_params", "fsdp_reshard_after_forward",
-        "fsdp_activation_checkpointing", "fsdp_offload_params", "fsdp_sync_module_states",
+        "fsdp_offload_params", "fsdp_sync_module_states", "fsdp_activation_checkpointing",
         "fsdp_transformer_layer_cls_to_wrap",
     )),
     ("parallelism_config", (
