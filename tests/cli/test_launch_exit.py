@@ -77,6 +77,7 @@ def _launch(script: Path, tmp_path: Path, order: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 50 real launches of 2 processes: minutes on 2 loaded cores
 def test_fifty_launches_of_a_ddp_script_all_exit(tmp_path: Path) -> None:
     script = tmp_path / "shape.py"
     script.write_text(SHAPE)
