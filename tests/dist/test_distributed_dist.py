@@ -248,7 +248,8 @@ def test_local_main_process_first_and_the_other_rank_gates(world: Any) -> None:
     others = [k for k in range(n) if k not in mains]
     assert sorted(lines[first:]) == sorted(f"{e} {k}" for k in others for e in ("enter", "exit"))
     assert [res["local_raised"] for res in results] == [k == mains[-1] for k in range(n)]
-    assert [res["on_local_main"] for res in results] == [k if k in mains else None for k in range(n)]
+    expected_on_local_main = [k if k in mains else None for k in range(n)]
+    assert [res["on_local_main"] for res in results] == expected_on_local_main
     assert [res["on_last"] for res in results] == [None] * (n - 1) + [n - 1]
     assert [res["on_process"] for res in results] == [
         [k if j == k else None for j in range(n)] for k in range(n)
@@ -457,7 +458,8 @@ def test_a_function_the_ranks_cannot_import_is_reported_with_its_traceback() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError: run_world: fn='fn' is defined in an interactive"), out.stderr
+    refusal = "ValueError: run_world: fn='fn' is defined in an interactive"
+    assert last.startswith(refusal), out.stderr
     assert "spawned processes cannot import" in last and "notebook_launch" in last
 
 
