@@ -34,7 +34,8 @@ def _checkout(parent: Path) -> Path:
     """A copy of what a clone holds for packaging, in a folder named `accel` under `parent`."""
     checkout = parent / "accel"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    shutil.copytree(ROOT / "accel", checkout / "accel", ignore=ignore)
+    for package in ("accel", "accel_cli"):  # the library, and the command's torch-free parser
+        shutil.copytree(ROOT / package, checkout / package, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, checkout / name)
     return checkout
