@@ -196,10 +196,15 @@ def wrap_by_hand(ctx: accel.RunContext, model: Llama, case: WrapCase) -> nn.Modu
 
 
 def wrap_with_accel(ctx: accel.RunContext, model: Llama, case: WrapCase) -> nn.Module:
-    options = accel.FSDPOptions(
-        layer_classes=(Block,), param_dtype=torch.bfloat16, activation_checkpointing=case.ac
+    options = accel.FSDPOptions(layer_classes=(Block,), param_dtype=torch.bfloat16)
+    return accel.wrap_model(
+        ctx,
+        model,
+        strategy="fsdp2",
+        fsdp=options,
+        compile=case.compile,
+        activation_checkpointing=case.ac,
     )
-    return accel.wrap_model(ctx, model, strategy="fsdp2", fsdp=options, compile=case.compile)
 
 
 def train_losses(model: nn.Module, data: torch.Tensor, device: torch.device) -> list[float]:
