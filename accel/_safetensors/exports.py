@@ -51,7 +51,8 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Make a written file's data, or a directory's entries (created, renamed files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -118,7 +119,7 @@ def complete(directory: Path) -> None:
             f"{str(journal)!r} is not the journal of an accel export (damaged); remove it and "
             "save the model again."
         ) from None
-    _fsync(directory)  # the journal is durable before any file is renamed
+    fsync_path(directory)  # the journal is durable before any file is renamed
     for name in names:  # each rename atomic: the new files replace the old ones
         with suppress(FileNotFoundError):  # renamed already (by the writer, before it died)
             partial_path(directory / name).replace(directory / name)
@@ -130,9 +131,9 @@ def complete(directory: Path) -> None:
         f.write(json.dumps(manifest, indent=1).encode())
         os.fsync(f.fileno())
     hidden.replace(directory / MANIFEST)
-    _fsync(directory)
+    fsync_path(directory)
     journal.unlink(missing_ok=True)
-    _fsync(directory)
+    fsync_path(directory)
 
 
 def recover(directory: Path, *, locked: bool) -> None:

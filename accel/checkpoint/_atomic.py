@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from accel._groups import describe, reported
+from accel._safetensors.exports import fsync_path
 from accel._safetensors.manifests import FORMAT, MANIFEST, read_manifest
 from accel._version import __version__
 
@@ -92,15 +93,6 @@ def remove_tree(path: Path) -> None:
             logger.debug("could not remove %s: %r", failed, exc_info[1])
 
     shutil.rmtree(path, onerror=onerror)
-
-
-def fsync_path(path: Path) -> None:
-    """Make a written file's data, or a directory's entries (created, renamed files), durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_at(fd: int, data: memoryview, offset: int, path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from accel._dtensor import is_dtensor, is_sharded
 from accel._groups import describe
 from accel._safetensors import manifests
-from accel._safetensors.exports import JOURNAL, OWN_FILES, export_lock, write_journal
+from accel._safetensors.exports import JOURNAL, OWN_FILES, export_lock, fsync_path, write_journal
 from accel._safetensors.exports import complete as complete_export
 from accel._safetensors.exports import partial_path as partial_path  # where callers import it
 from accel._safetensors.files import INDEX_NAME, SINGLE_NAME
@@ -234,7 +234,7 @@ def publish_model_files(
         own = (p.name for p in directory.iterdir() if OWN_FILES.fullmatch(p.name))
         # The old index goes first: a reader never follows it to shards already removed.
         stale = sorted((n for n in own if n not in entries), key=lambda n: (n != INDEX_NAME, n))
-        _atomic.fsync_path(directory)
+        fsync_path(directory)
         write_journal(directory, manifest, stale)
     complete_export(directory)
 

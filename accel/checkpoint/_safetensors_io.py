@@ -24,6 +24,7 @@ from types import MappingProxyType
 import torch
 
 from accel._safetensors.crc32 import PIECE, crc32
+from accel._safetensors.exports import fsync_path
 from accel._safetensors.header import (
     DTYPES,
     ITEMSIZE,
@@ -33,7 +34,7 @@ from accel._safetensors.header import (
     pickle_error,
 )
 from accel._safetensors.manifests import check_sum
-from accel.checkpoint._atomic import fsync_path, write_at
+from accel.checkpoint._atomic import write_at
 
 # Chunk size for writes, reads and checksums: large enough that syscalls and thread hand-offs
 # cost nothing measurable, small enough to keep the checksum overlapped with the I/O.

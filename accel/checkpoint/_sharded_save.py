@@ -20,8 +20,8 @@ import torch
 from accel._dtensor import is_dtensor
 from accel._groups import barrier, every_rank_step, require_group
 from accel._safetensors.crc32 import combine, usable_cpus
-from accel._safetensors.exports import export_lock
-from accel.checkpoint._atomic import fsync_path, write_at
+from accel._safetensors.exports import export_lock, fsync_path
+from accel.checkpoint._atomic import write_at
 from accel.checkpoint._model_io import FILE_METADATA, partial_path, partials_removed_on_failure
 from accel.checkpoint._safetensors_io import CHUNK, Checksum, header_bytes
 from accel.checkpoint._sharded_io import (

@@ -28,6 +28,7 @@ from torch import nn
 
 from accel._dtensor import is_sharded
 from accel._safetensors import manifests
+from accel._safetensors.exports import fsync_path
 from accel._safetensors.files import check_inside
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
@@ -193,7 +194,7 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
             )
             written += [path, staging / f"{stem}.json"]
         for path in written:
-            _atomic.fsync_path(path)
+            fsync_path(path)
     finally:  # collect every checksum, also to end their threads when a write failed
         sums = {rel: list(p.result()) for rel, p in pending.items()}
     entries.update(sums)
