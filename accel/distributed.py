@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
@@ -72,7 +72,8 @@ def init_distributed(
         parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the
             `DeviceMesh` is built when the world is split. None takes the launcher's or
             config's, else every rank is a replica.
-        backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise.
+        backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise. A one-process
+            run gets a (one-rank) process group only when `backend` is given.
         device: the device to use; by default this local rank's GPU, else mps, else cpu.
         timeout: seconds (or a timedelta) a collective may wait before it fails; default 30
             minutes.
@@ -119,7 +120,10 @@ def init_distributed(
         # The one torch-wide switch accel flips: NCCL and autocast use the current device.
         torch.cuda.set_device(chosen)
     backend_source = "argument" if backend is not None else "default"
-    if launch.world_size > 1:
+    # One process gets a group only when it asks for a backend (a one-GPU run checking NCCL):
+    # collectives of a one-rank world need none, and creating one costs a rendezvous.
+    grouped = launch.world_size > 1 or backend is not None
+    if grouped:
         if backend is None:
             backend = "nccl" if chosen.type == "cuda" else "gloo"
         _connect(launch, backend, wait)
@@ -130,7 +134,7 @@ def init_distributed(
     sources |= {
         "backend": backend_source,
         "timeout": "argument" if timeout is not None else "default",
-        "process_group": "default group" if launch.world_size > 1 else "default",
+        "process_group": "default group" if grouped else "default",
     }
     ctx = RunContext(
         rank=launch.rank,
@@ -140,7 +144,7 @@ def init_distributed(
         node_rank=launch.node_rank,
         num_nodes=launch.num_nodes,
         device=chosen,
-        backend=backend if launch.world_size > 1 else None,
+        backend=backend if grouped else None,
         precision=settings["precision"][0],
         grad_accum_steps=settings["grad_accum_steps"][0],
         seed=settings["seed"][0],
@@ -185,6 +189,9 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
             world_size=launch.world_size,
             timeout=timeout,
         )
+    elif launch.world_size == 1 and launch.master_port is None:
+        # One process asked for a backend with no launcher to meet at: a store of its own.
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(
             backend,

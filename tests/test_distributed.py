@@ -105,6 +105,25 @@ def test_init_distributed_as_plain_python(monkeypatch: pytest.MonkeyPatch, tmp_p
     shutdown(ctx)
 
 
+def test_a_backend_asked_for_in_a_one_process_run_makes_its_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # backend= was dropped at world size 1: a one-GPU run asking for nccl never touched NCCL.
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "ACCEL_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = init_distributed(device="cpu", backend="gloo")
+    try:
+        assert torch.distributed.is_initialized()
+        assert torch.distributed.get_backend() == "gloo"
+        assert torch.distributed.get_world_size() == 1
+        assert (ctx.backend, ctx.sources["backend"]) == ("gloo", "argument")
+        assert ctx.sources["process_group"] == "default group"
+        wait_for_everyone(ctx)
+    finally:
+        shutdown(ctx)
+    assert not torch.distributed.is_initialized()
+
+
 def test_init_distributed_reads_accelerates_no_as_fp32() -> None:
     # docs/migration.md: Accelerator(mixed_precision="no") becomes precision="no" or "fp32".
     ctx = init_distributed(device="cpu", precision="no")

@@ -12,8 +12,12 @@ import accel
 
 
 def main(out: str) -> None:
-    ctx = accel.init_distributed(seed=7)
+    # Asking for the backend gives the one-rank world a real group: NCCL on a GPU.
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    ctx = accel.init_distributed(seed=7, backend=backend)
     dev = ctx.device
+    summed = torch.ones(4, device=dev)
+    torch.distributed.all_reduce(summed)  # through the group itself, not accel's 1-rank shortcut
     x = torch.arange(6, dtype=torch.float32, device=dev).view(3, 2)
     tree = {"x": x, "ids": torch.tensor([4, 5], device=dev)}
     results = {
@@ -29,6 +33,8 @@ def main(out: str) -> None:
     seen = {
         "device": str(dev),
         "world_size": ctx.world_size,
+        "backend": [ctx.backend, torch.distributed.get_backend()],
+        "all_reduce": summed.cpu().tolist(),
         "describe": ctx.describe(),
         "leaf_devices": sorted({str(t.device) for t in leaves}),
         "values": {k: _plain(v) for k, v in results.items()},

@@ -34,6 +34,9 @@ def test_one_process_torchrun_runs_every_collective_on_the_device(
     assert seen["leaf_devices"] == [str(device)]  # every result stays on the run's device
     assert seen["cuda_initialized"] == (device.type == "cuda")
     assert seen["world_size"] == 1
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    assert seen["backend"] == [backend, backend]
+    assert seen["all_reduce"] == [1.0] * 4
     assert "launcher torchrun" in seen["describe"]
     assert f"device           = device(type='{device.type}'" in seen["describe"]
     x = torch.arange(6.0).view(3, 2).tolist()
