@@ -18,9 +18,10 @@ demo: $(STAMP)
 	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo
 
 # The whole suite. pytest's exit code 5 (no test collected) fails the target like any other
-# non-zero code: an empty run never passes.
+# non-zero code: an empty run never passes. The slowest tests are listed so the suite's time
+# (CI's budget is 25 minutes) is watched where it goes.
 test: $(STAMP)
-	$(PYTEST) -q
+	$(PYTEST) -q --durations=25
 
 # Everything but the tests marked `slow` (processes, subprocesses, seconds each): under 2 minutes
 # on a loaded 2-core machine. `make test` (and CI) still runs the whole suite.
