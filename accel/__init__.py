@@ -75,6 +75,7 @@ from accel.notebook import (
 from accel.parallel import (
     DDPOptions,
     FSDPOptions,
+    Float8Options,
     check_optimizer,
     unwrap_model,
     wrap_model,
@@ -133,6 +134,7 @@ __all__ = [
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "Float8Options",
     "JSONLTracker",
     "LoadResult",
     "MLflowTracker",
