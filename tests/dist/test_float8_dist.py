@@ -1,0 +1,48 @@
+"""precision="fp8" at 4 gloo ranks, dp_shard=2 x tp=2: float8 layers split by torchao's float8
+tensor-parallel styles, sharded by FSDP2 and all-gathered in float8.
+
+The same model and data train in fp32, bf16 and fp8 on the same mesh; the fp8 losses must stay
+within the tolerance derived in tests/test_float8.py (33 times bf16's own largest deviation from
+fp32 over the run), differ from bf16, and fall.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import accel
+from accel import FSDPOptions, Parallelism
+from accel.testing import run_world
+from tests.models import TP_PLAN, Block
+from tests.test_float8 import EXPECTED, check_tolerance, float8_names, train
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def _three_precisions(ctx: accel.RunContext) -> dict[str, Any]:
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel  # noqa: F401
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    wrap = {"tp_plan": TP_PLAN, "fsdp": FSDPOptions(layer_classes=(Block,))}
+    runs = {p: train(ctx, p, **wrap)[0] for p in ("fp32", "bf16")}
+    runs["fp8"], model = train(ctx, "fp8", **wrap)
+    wq = model.layers[0].attention.wq.weight
+    return {
+        "runs": runs,
+        "float8": float8_names(model),
+        "mesh": wq.device_mesh.mesh_dim_names,
+        "gathered_in_float8": isinstance(wq._local_tensor, WeightWithDynamicFloat8CastTensor),
+        "scale_precomputed": wq._local_tensor._precomputed_scale is not None,
+    }
+
+
+def test_fp8_on_dp_shard_2_x_tp_2_stays_within_the_derived_tolerance_of_bf16() -> None:
+    results = run_world(_three_precisions, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
+    for r in results:
+        assert r["float8"] == EXPECTED
+        assert r["mesh"] == ("dp_shard", "tp")
+        assert r["gathered_in_float8"] and r["scale_precomputed"]
+        assert r["runs"] == results[0]["runs"]  # every rank reports the same mean loss
+    check_tolerance(results[0]["runs"])
