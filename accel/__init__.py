@@ -74,8 +74,8 @@ from accel.notebook import (
 )
 from accel.parallel import (
     DDPOptions,
-    FSDPOptions,
     Float8Options,
+    FSDPOptions,
     check_optimizer,
     unwrap_model,
     wrap_model,

@@ -90,7 +90,9 @@ def test_the_default_filter_converts_block_linears_and_keeps_the_head() -> None:
 
 
 def test_the_default_filter_skips_dims_not_multiples_of_16_and_the_last_linear() -> None:
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 16), nn.Linear(16, 16))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 16), nn.Linear(16, 16)
+    )
     wrapped = accel.wrap_model(RunContext.single(precision="fp8"), model)
     assert float8_names(wrapped) == {"0"}  # 1, 2: 24 is no multiple of 16; 3: the last (head)
 
@@ -135,15 +137,19 @@ def test_bad_options_are_refused_by_name(kwargs: Any, error: type, match: str) -
 
 def test_bad_uses_are_refused_by_name() -> None:
     fp8_ctx = RunContext.single(precision="fp8")
-    with pytest.raises(ValueError, match="ctx.precision='bf16'; build the context"):
+    with pytest.raises(ValueError, match=r"ctx\.precision='bf16'; build the context"):
         accel.wrap_model(RunContext.single(precision="bf16"), make_model(), fp8=Float8Options())
-    with pytest.raises(TypeError, match="returned 'yes' for 'layers.0.attention.wq'"):
-        accel.wrap_model(fp8_ctx, make_model(), fp8=Float8Options(module_filter_fn=lambda m, n: "yes"))
-    with pytest.raises(ValueError, match="no nn.Linear of Sequential passes the float8 filter"):
+    with pytest.raises(TypeError, match=r"returned 'yes' for 'layers\.0\.attention\.wq'"):
+        accel.wrap_model(
+            fp8_ctx, make_model(), fp8=Float8Options(module_filter_fn=lambda m, n: "yes")
+        )
+    with pytest.raises(ValueError, match=r"no nn\.Linear of Sequential passes the float8 filter"):
         accel.wrap_model(fp8_ctx, nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True\\) applies to FSDP2"):
-        accel.wrap_model(fp8_ctx, make_model(), fp8=Float8Options(enable_fsdp_float8_all_gather=True))
-    with pytest.raises(TypeError, match="fp8=3 is not an accel.Float8Options"):
+        accel.wrap_model(
+            fp8_ctx, make_model(), fp8=Float8Options(enable_fsdp_float8_all_gather=True)
+        )
+    with pytest.raises(TypeError, match=r"fp8=3 is not an accel\.Float8Options"):
         accel.wrap_model(fp8_ctx, make_model(), fp8=3)  # type: ignore[arg-type]
 
 
@@ -206,3 +212,31 @@ def test_accelerates_fp8_config_is_honoured_or_refused_by_name(
 def test_fp8_config_without_fp8_precision_is_refused() -> None:
     with pytest.raises(ValueError, match="mixed_precision='bf16'; set mixed_precision: fp8"):
         parse_config({"mixed_precision": "bf16", "fp8_config": {"backend": "AO"}})
+
+
+def test_launch_flags_and_accelerates_yaml_carry_fp8_to_the_workers(tmp_path: Any) -> None:
+    from accel.cli import _launch
+    from accel.cli._accelerate_env import accelerate_environment
+    from accel.config import load_config
+    from accel_cli import build_parser
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    args = build_parser().parse_args(
+        ["launch", "--mixed_precision", "fp8", "--fp8_backend", "AO", "--config_file",
+         str(tmp_path / "none.yaml"), str(script)]
+    )  # fmt: skip
+    (tmp_path / "none.yaml").write_text("{}\n")
+    config = _launch.resolve_config(args)
+    assert config.fp8_config == (("fp8_backend", "AO"),)
+    assert _launch.worker_environment(config)["ACCEL_PRECISION"] == "fp8"
+    assert accelerate_environment(config)[0]["ACCELERATE_FP8_BACKEND"] == "AO"
+    yaml = tmp_path / "accelerate.yaml"
+    yaml.write_text("mixed_precision: fp8\nfp8_config:\n  backend: AO\n")
+    assert load_config(yaml).mixed_precision == "fp8"
+    bad = build_parser().parse_args(
+        ["launch", "--mixed_precision", "fp8", "--fp8_backend", "te", "--config_file",
+         str(tmp_path / "none.yaml"), str(script)]
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="backend='te' \\(Transformer Engine\\)"):
+        _launch.resolve_config(bad)

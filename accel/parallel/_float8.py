@@ -132,7 +132,9 @@ def _float8_styles(styles: Any, converted: frozenset[str]) -> dict[str, Any]:
 
     out = dict(styles)
     for name, style in styles.items():
-        if name not in converted or isinstance(style, (Float8ColwiseParallel, Float8RowwiseParallel)):
+        if name not in converted or isinstance(
+            style, (Float8ColwiseParallel, Float8RowwiseParallel)
+        ):
             continue
         kind = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
         new = kind.get(type(style))
