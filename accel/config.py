@@ -30,7 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from accel import _accelerate_config, _float8_options
+from accel import _accelerate_config
 from accel._env_vars import (
     ENV_CONFIG_FILE,
     Section,
@@ -179,7 +179,7 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
             f"num_machines={config.num_machines}."
         )
     sizes = _parallel_settings(config)[0]  # validate the sections here, not in every worker
-    _float8_options.check_fp8_config(config.mixed_precision, config.fp8_config)
+    _accelerate_config.check_fp8_config(config.mixed_precision, config.fp8_config)
     if sizes is not None:
         sizes.resolve(config.num_processes)
     return config

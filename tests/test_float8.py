@@ -240,3 +240,19 @@ def test_launch_flags_and_accelerates_yaml_carry_fp8_to_the_workers(tmp_path: An
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match="backend='te' \\(Transformer Engine\\)"):
         _launch.resolve_config(bad)
+
+
+def test_every_fp8_row_of_the_migration_guide_names_a_test_that_exists() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "migration.md").read_text()
+    section = text.split("## fp8 training", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| `")]
+    names = {"AORecipeKwargs", "FP8RecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs",
+             "unscale_gradients"}  # fmt: skip
+    assert names <= {r.split("`")[1].split("(")[0] for r in rows}
+    sources = "".join(p.read_text() for p in (root / "tests").rglob("test_*.py"))
+    for row in rows:
+        test = row.rstrip(" |").rsplit("| ", 1)[1].split("`")[1]
+        assert f"def {test}(" in sources, row

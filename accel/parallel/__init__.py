@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._float8_options import Float8Options
 from accel._groups import require_group
 from accel._parallelism import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
 from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
+from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._plan import WrapPlan, WrapStrategy, is_wrapped, make_plan
 

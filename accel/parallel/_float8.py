@@ -1,12 +1,13 @@
 """fp8 training for `wrap_model`: torchao's float8 Linear layers, converted before TP and FSDP2.
 
-When `ctx.precision == "fp8"`, the Linear layers the filter keeps become torchao `Float8Linear`s
-(their matmuls run in float8 with dynamic scales, `torch._scaled_mm`), before tensor parallelism
-and FSDP2, as torchtitan orders it; autocast(ctx) is bf16 for the rest of the model. Under
-tensor parallelism their "colwise"/"rowwise" styles become torchao's Float8ColwiseParallel /
-Float8RowwiseParallel. Under FSDP2 with the tensorwise recipe, their weights are all-gathered
-in float8, and the scales of all of them are computed with one all-reduce
-(`precompute_float8_dynamic_scale_for_fsdp`).
+`Float8Options` (the `fp8=` of `wrap_model`) chooses the layers; nothing here imports torchao
+until a model is wrapped under fp8. When `ctx.precision == "fp8"`, the Linear layers the filter
+keeps become torchao `Float8Linear`s (their matmuls run in float8 with dynamic scales,
+`torch._scaled_mm`), before tensor parallelism and FSDP2, as torchtitan orders it;
+autocast(ctx) is bf16 for the rest of the model. Under tensor parallelism their "colwise" /
+"rowwise" styles become torchao's Float8ColwiseParallel / Float8RowwiseParallel. Under FSDP2
+with the tensorwise recipe, their weights are all-gathered in float8, and the scales of all of
+them are computed with one all-reduce (`precompute_float8_dynamic_scale_for_fsdp`).
 
 Where that precompute runs: a forward pre-hook on the wrapped model, ahead of FSDP2's own, runs
 it before every forward. torchao keeps a precomputed scale until the next precompute, so a
@@ -21,14 +22,91 @@ model, so there is no state outside it and nothing for the user's loop to call.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from torch import nn
 
-from accel._float8_options import Float8Options, ModuleFilter, default_filter
 from accel.context import RunContext
 from accel.parallel._plan import WrapPlan
+
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""torchao's float8 recipes (`Float8LinearConfig.from_recipe_name`): one scale per tensor, or
+per row (rowwise_with_gw_hp keeps the weight gradient's matmul in high precision)."""
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+"""fn(linear, fully_qualified_name) -> True to convert that nn.Linear to float8."""
+
+HEAD_NAMES = ("lm_head", "output")
+"""Names of an output head (Hugging Face's, torchtitan's): kept in high precision by default."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Float8Options:
+    """How `wrap_model` trains Linear layers in float8 when `ctx.precision == "fp8"`.
+
+    The default converts every `nn.Linear` whose in and out features are multiples of 16 (what
+    float8 matmuls need) except the output head: the Linear named `lm_head` or `output`, or,
+    when none is, the last Linear registered. That is torchtitan's default and Accelerate's
+    (which keeps the first Linear in high precision too; pass a filter to do the same).
+
+    Example:
+        >>> from accel import Float8Options
+        >>> Float8Options(module_filter_fn=lambda m, name: not name.startswith("head")).recipe
+        'tensorwise'
+    """
+
+    module_filter_fn: ModuleFilter | None = None
+    """Which nn.Linear layers to convert: called as fn(module, name) for each (torchao's
+    `module_filter_fn`, Accelerate's `module_filter_func`); True converts it. None: the default
+    above. Layers whose dimensions are not multiples of 16 need pad_inner_dim."""
+    recipe: Recipe = "tensorwise"
+    """torchao's scaling recipe: "tensorwise", "rowwise" or "rowwise_with_gw_hp"."""
+    enable_fsdp_float8_all_gather: bool | None = None
+    """Under FSDP2, all-gather converted weights in float8 (half the bytes of bf16) with one
+    all-reduce of their scales per forward. None: on with the tensorwise recipe, the only one
+    torchao supports it with."""
+    pad_inner_dim: bool = True
+    """Pad matmul dimensions to multiples of 16 for layers the filter converts that need it
+    (Accelerate's default; torchao's is False)."""
+
+    def __post_init__(self) -> None:
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise TypeError(
+                f"Float8Options: module_filter_fn={self.module_filter_fn!r} is not callable; "
+                "pass a function (module, name) -> bool, e.g. "
+                "module_filter_fn=lambda m, name: name != 'lm_head', or None for the default."
+            )
+        if self.recipe not in get_args(Recipe):
+            raise ValueError(
+                f"Float8Options: recipe={self.recipe!r} is not one of {get_args(Recipe)} "
+                "(torchao's recipe names). Use recipe='tensorwise'."
+            )
+        for name in ("enable_fsdp_float8_all_gather", "pad_inner_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name.startswith("enable")):
+                raise TypeError(f"Float8Options: {name}={value!r} must be True or False.")
+        if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
+            raise ValueError(
+                f"Float8Options: enable_fsdp_float8_all_gather=True needs recipe='tensorwise' "
+                f"(torchao gathers float8 weights with one scale per tensor), not "
+                f"recipe={self.recipe!r}. Drop enable_fsdp_float8_all_gather, or use "
+                "recipe='tensorwise'."
+            )
+
+
+def default_filter(model: nn.Module) -> ModuleFilter:
+    """The default `module_filter_fn` for `model`: dims multiples of 16, not the output head."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    heads = {n for n in linears if n.rsplit(".", 1)[-1] in HEAD_NAMES} or set(linears[-1:])
+
+    def keep(module: nn.Module, name: str) -> bool:
+        if not isinstance(module, nn.Linear) or name in heads:
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return keep
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

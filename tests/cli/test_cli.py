@@ -451,12 +451,12 @@ def test_launch_help_groups_flags_as_accelerate_and_lists_each_once(tmp_path: Pa
 
 
 def test_launch_flags_cover_every_accelerate_section_key() -> None:
-    from accel import _accelerate_config, _float8_options
+    from accel import _accelerate_config
     from accel_cli import SECTION_FLAGS
 
     assert dict(SECTION_FLAGS) == {
         "fsdp_config": _accelerate_config.FSDP_KEYS,
         "parallelism_config": _accelerate_config.PARALLELISM_KEYS,
         "dynamo_config": _accelerate_config.DYNAMO_KEYS,
-        "fp8_config": _float8_options.FP8_KEYS,
+        "fp8_config": _accelerate_config.FP8_KEYS,
     }
