@@ -8,6 +8,7 @@ fp32 over the run), differ from bf16, and fall.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -50,3 +51,29 @@ def test_fp8_on_dp_shard_2_x_tp_2_stays_within_the_derived_tolerance_of_bf16() -
         assert r["gathered_in_float8"] and r["scale_precomputed"]
         assert r["runs"] == results[0]["runs"]  # every rank reports the same mean loss
     check_tolerance(results[0]["runs"])
+
+
+def _ddp_and_a_float8_only_unit(ctx: accel.RunContext) -> dict[str, Any]:
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.LayerNorm(32), nn.Linear(32, 16))
+    fsdp = FSDPOptions(layer_classes=(nn.Linear,))  # unit "0" holds one float8 weight alone
+    fp8_ctx = dataclasses.replace(ctx, precision="fp8")
+    try:
+        accel.wrap_model(fp8_ctx, model, fsdp=fsdp)
+        refusal = ""
+    except NotImplementedError as err:
+        refusal = str(err)
+    ddp_ctx = dataclasses.replace(fp8_ctx, parallelism=Parallelism(dp_replicate=2), mesh=None)
+    runs = train(ddp_ctx, "fp8")
+    return {"refusal": refusal, "losses": runs[0], "float8": float8_names(runs[1])}
+
+
+def test_fp8_under_ddp_trains_and_a_float8_only_fsdp_unit_is_refused_on_gloo() -> None:
+    results = run_world(
+        _ddp_and_a_float8_only_unit, world_size=2, parallelism=Parallelism(dp_shard=2), timeout=300
+    )
+    for r in results:
+        assert "on the gloo backend, FSDP2 cannot all-gather the unit Linear" in r["refusal"]
+        assert r["float8"] == EXPECTED
+        assert r["losses"][-1] < r["losses"][0] - 0.5
