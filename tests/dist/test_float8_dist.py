@@ -36,6 +36,8 @@ def _three_precisions(ctx: accel.RunContext) -> dict[str, Any]:
         "mesh": wq.device_mesh.mesh_dim_names,
         "gathered_in_float8": isinstance(wq._local_tensor, WeightWithDynamicFloat8CastTensor),
         "scale_precomputed": wq._local_tensor._precomputed_scale is not None,
+        # accel's precompute runs first, before FSDP2's pre-forward all-gathers the root unit
+        "first_pre_hook": next(iter(model._forward_pre_hooks.values())).__qualname__,
     }
 
 
@@ -49,6 +51,7 @@ def test_fp8_on_dp_shard_2_x_tp_2_stays_within_the_derived_tolerance_of_bf16() -
         assert r["float8"] == EXPECTED
         assert r["mesh"] == ("dp_shard", "tp")
         assert r["gathered_in_float8"] and r["scale_precomputed"]
+        assert r["first_pre_hook"].startswith("precompute_before_forward.")
         assert r["runs"] == results[0]["runs"]  # every rank reports the same mean loss
     check_tolerance(results[0]["runs"])
 
