@@ -74,6 +74,7 @@ from accel.notebook import (
 )
 from accel.parallel import (
     DDPOptions,
+    Float8Options,
     FSDPOptions,
     check_optimizer,
     unwrap_model,
@@ -133,6 +134,7 @@ __all__ = [
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "Float8Options",
     "JSONLTracker",
     "LoadResult",
     "MLflowTracker",

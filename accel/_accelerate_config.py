@@ -1,8 +1,10 @@
-"""Accelerate's `fsdp_config`, `parallelism_config` and `dynamo_config`, as accel's settings.
+"""Accelerate's `fsdp_config`, `parallelism_config`, `dynamo_config` and `fp8_config`, as
+accel's settings.
 
-Each key is honoured (mapped to `FSDPOptions`, `Parallelism` or the compile mode) or refused
-by name with the reason and the fix; none is dropped. Values may be YAML's (booleans, ints) or
-`accel launch` flag strings ("true", "2").
+Each key is honoured (mapped to `FSDPOptions`, `Parallelism` or the compile mode; fp8's checked
+against what `wrap_model` does under precision "fp8") or refused by name with the reason and
+the fix; none is dropped. Values may be YAML's (booleans, ints) or `accel launch` flag strings
+("true", "2").
 """
 
 from __future__ import annotations
@@ -179,3 +181,73 @@ def compile_mode(pairs: Pairs) -> CompileMode:
         "dynamo_use_regional_compilation", values.get("dynamo_use_regional_compilation", False)
     )
     return "regional" if regional else True
+
+
+# Accelerate's fp8_config keys (YAML spells them bare, `accelerate launch` with the fp8_ prefix).
+FP8_KEYS = (
+    "fp8_backend", "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval", "fp8_format",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_override_linear_precision",
+    "fp8_opt_level", "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim",
+)  # fmt: skip
+_TE_KEYS = frozenset(FP8_KEYS[1:8])
+# Keys whose only value accel applies from a config (the default of Float8Options); another
+# value is set in code, where the options reach wrap_model.
+_DEFAULT_ONLY = MappingProxyType(
+    {"fp8_enable_fsdp_float8_all_gather": True, "fp8_pad_inner_dim": True}
+)
+
+
+def check_fp8_config(precision: str, pairs: tuple[tuple[str, Any], ...]) -> None:
+    """Honour or refuse, by name, each key of Accelerate's `fp8_config` section.
+
+    Raises:
+        ValueError: for an unknown key, a bad value, or fp8 settings without precision fp8.
+        NotImplementedError: for Transformer Engine's or MS-AMP's backend and settings, and
+            for torchao settings a config cannot carry (set them in Float8Options instead).
+    """
+    for key, value in pairs:
+        name = key if key.startswith("fp8_") else f"fp8_{key}"
+        if name not in FP8_KEYS:
+            raise ValueError(
+                f"config: fp8_config has unknown key {key!r}; accel knows "
+                f"{sorted(k.removeprefix('fp8_') for k in FP8_KEYS)}. Remove or rename it."
+            )
+        if precision != "fp8":
+            raise ValueError(
+                f"config: fp8_config {key}={value!r} is given but mixed_precision="
+                f"{precision!r}; set mixed_precision: fp8, or remove fp8_config."
+            )
+        _check_fp8_key(name, value)
+
+
+def _check_fp8_key(name: str, value: Any) -> None:
+    if name == "fp8_backend":
+        if str(value).upper() in ("TE", "MSAMP"):
+            engine = "Transformer Engine" if str(value).upper() == "TE" else "MS-AMP"
+            raise NotImplementedError(
+                f"config: fp8_config backend={value!r} ({engine}) is not supported: accel "
+                "trains fp8 through torchao's float8. Set backend: AO."
+            )
+        if str(value).upper() != "AO":
+            raise ValueError(f"config: fp8_config backend={value!r} must be AO, TE or MSAMP.")
+    elif name in _TE_KEYS:
+        raise NotImplementedError(
+            f"config: fp8_config {name.removeprefix('fp8_')}={value!r} is a Transformer Engine "
+            "setting, and accel trains fp8 through torchao (dynamic scaling, no amax history). "
+            "Remove it."
+        )
+    elif name == "fp8_opt_level":
+        raise NotImplementedError(
+            f"config: fp8_config opt_level={value!r} is an MS-AMP setting, and accel trains fp8 "
+            "through torchao. Remove it."
+        )
+    else:
+        text = str(value).lower()
+        if text not in ("true", "false"):
+            raise ValueError(f"config: fp8_config {name}={value!r} must be true or false.")
+        if (text == "true") != _DEFAULT_ONLY[name]:
+            field = name.removeprefix("fp8_")
+            raise NotImplementedError(
+                f"config: fp8_config {field}={value!r} cannot reach wrap_model from a config; "
+                f"pass it in code: wrap_model(ctx, model, fp8=Float8Options({field}=False))."
+            )

@@ -7,11 +7,15 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 
-Precision: TypeAlias = Literal["fp32", "bf16", "fp16"]
-"""Mixed-precision mode: fp32 weights always; bf16/fp16 name the autocast compute dtype."""
+Precision: TypeAlias = Literal["fp32", "bf16", "fp16", "fp8"]
+"""Mixed-precision mode: fp32 weights always; bf16/fp16 name the autocast compute dtype; fp8
+is torchao's float8 training of the Linear layers with bf16 autocast around the rest."""
 
-COMPUTE_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
-"""The compute dtype of each mixed precision (fp32 has none: nothing is cast)."""
+COMPUTE_DTYPES = MappingProxyType(
+    {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+)
+"""The autocast (and FSDP2 gather) dtype of each mixed precision (fp32 has none: nothing is
+cast; fp8's float8 matmuls happen inside torchao's Float8Linear, bf16 everywhere else)."""
 
 Backend: TypeAlias = Literal["gloo", "nccl", "mpi"]
 """A torch.distributed backend accel knows how to pick devices for."""

@@ -6,7 +6,7 @@ reads them once and records each value's source in `RunContext.sources`:
 
 | variable                 | RunContext field   | values                 |
 |--------------------------|--------------------|------------------------|
-| `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, no   |
+| `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, fp8, no |
 | `ACCEL_GRAD_ACCUM_STEPS` | `grad_accum_steps` | int >= 1               |
 | `ACCEL_SEED`             | `seed`             | int                    |
 | `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
@@ -105,6 +105,8 @@ class Config:
     """Accelerate's `parallelism_config` keys (`parallelism_config_tp_size`, ...), as pairs."""
     dynamo_config: Section = ()
     """Accelerate's `dynamo_config` keys (`dynamo_backend`, ...), as pairs."""
+    fp8_config: Section = ()
+    """Accelerate's `fp8_config` keys (`backend: AO`, ...), as pairs: checked, none carried."""
     log_with: tuple[str, ...] = ()
     """Trackers `init_trackers(ctx, None, ...)` builds (Accelerate's `log_with`), by name."""
 
@@ -129,6 +131,7 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "fsdp_config": parse_section,
         "parallelism_config": parse_section,
         "dynamo_config": parse_section,
+        "fp8_config": parse_section,
         "log_with": parse_log_with,
     }
 )
@@ -176,6 +179,7 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
             f"num_machines={config.num_machines}."
         )
     sizes = _parallel_settings(config)[0]  # validate the sections here, not in every worker
+    _accelerate_config.check_fp8_config(config.mixed_precision, config.fp8_config)
     if sizes is not None:
         sizes.resolve(config.num_processes)
     return config
@@ -221,7 +225,7 @@ def as_mapping(config: Config) -> dict[str, Any]:
         {'fsdp_version': 2}
     """
     out: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(config)}
-    for name in ("fsdp_config", "parallelism_config", "dynamo_config"):
+    for name in ("fsdp_config", "parallelism_config", "dynamo_config", "fp8_config"):
         out[name] = dict(out[name])
     out["log_with"] = list(config.log_with)
     return out

@@ -98,7 +98,8 @@ class RunContext:
     backend: Backend | None = None
     """The torch.distributed backend of `process_group`; None when there is none."""
     precision: Precision = "fp32"
-    """Mixed precision: "fp32" (off), "bf16" or "fp16" autocast over fp32 weights."""
+    """Mixed precision: "fp32" (off), "bf16" or "fp16" autocast over fp32 weights, or "fp8"
+    (torchao float8 Linear layers through `wrap_model`, bf16 autocast for the rest)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step."""
     seed: int | None = None

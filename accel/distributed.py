@@ -65,8 +65,9 @@ def init_distributed(
     which override the config file; `ctx.describe()` shows which won.
 
     Args:
-        precision: "fp32", "bf16" or "fp16" autocast ("no", Accelerate's spelling, is
-            "fp32"); None takes the launcher's or config's, else "fp32".
+        precision: "fp32", "bf16" or "fp16" autocast, or "fp8" (float8 Linear layers
+            through `wrap_model`; "no", Accelerate's spelling, is "fp32"); None takes the
+            launcher's or config's, else "fp32".
         grad_accum_steps: micro-batches per optimizer step; None takes the launcher's or
             config's, else 1.
         parallelism: the mesh sizes (data, fully-sharded, context and tensor parallel); the

@@ -28,7 +28,7 @@ LAUNCH_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("rdzv_backend", str, "torchrun rendezvous backend: static or c10d"),
     ("max_restarts", int, "how often the elastic agent restarts failed workers"),
     ("monitor_interval", float, "seconds between the agent's checks on its workers"),
-    ("mixed_precision", str, "fp32 (or Accelerate's 'no'), bf16 or fp16"),
+    ("mixed_precision", str, "fp32 (or Accelerate's 'no'), bf16, fp16 or fp8"),
     ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
     ("num_cpu_threads_per_process", int, "OMP/torch threads per process"),
     ("gpu_ids", str, "comma-separated GPU ids to use, or 'all'"),
@@ -55,6 +55,11 @@ SECTION_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
         "dynamo_use_regional_compilation",
     )),
+    ("fp8_config", (
+        "fp8_backend", "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval", "fp8_format",
+        "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_override_linear_precision",
+        "fp8_opt_level", "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim",
+    )),
 )  # fmt: skip
 
 # `accel launch --help` groups its flags as `accelerate launch --help` does (same titles).
@@ -77,6 +82,8 @@ _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("ParallelismConfig Arguments",
      "Arguments related to the ParallelismConfig used for distributed training.",
      (*SECTION_FLAGS[1][1], "tp_size")),
+    ("FP8 Arguments", "Arguments related to FP8 training (requires `--mixed_precision=fp8`).",
+     SECTION_FLAGS[3][1]),
     ("Training Settings (accel)", "Settings recorded in every process's RunContext.",
      ("gradient_accumulation_steps", "seed", "log_with")),
 )  # fmt: skip

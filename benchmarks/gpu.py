@@ -10,6 +10,10 @@ bf16 peak (6 x parameters outside the embedding + 12 x layers x dim x seq per to
 discount), and peak GPU memory. Then a GPT-2-124M-shaped checkpoint is loaded onto the GPU
 (and split over GPU, CPU and disk) by `accel.dispatch_checkpoint` and Accelerate's
 `load_checkpoint_and_dispatch`, interleaved, with a first forward each, outputs compared.
+Last, where torchao can be imported, the same step through accel in bf16 and in fp8
+(`precision="fp8"`: torchao float8 Linear layers), eager and compiled, interleaved, on a
+4-layer model of the same width and sequence (the matmul shapes of the full model, a quarter of
+the compile time); without torchao the section says it was skipped and why.
 
 Results go to --out as JSON, rewritten after every measurement, so a run stopped by its time
 limit keeps what it measured. `--dry-run` runs the same code on the CPU at tiny sizes (compile
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -257,6 +262,48 @@ def time_loads(args: argparse.Namespace, device: torch.device, report: dict[str,
             write(args.out, report)
 
 
+def time_fp8(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    """accel's step in bf16 and in fp8 on two copies of one model, eager and compiled."""
+    if importlib.util.find_spec("torchao") is None:
+        report["fp8"] = {"skipped": "torchao is not installed (pip install 'accel-train[fp8]')"}
+        return
+    sizes = TINY if args.dry_run else dataclasses.replace(FULL, layers=4)
+    report["fp8"] = fp8_report = {"sizes": vars(sizes), "rounds": args.rounds, "variants": {}}
+    tokens = plumbing.tokens(sizes, steps=1)[0].to(device)
+    steps: dict[str, Any] = {}
+    for precision in ("bf16", "fp8"):
+        ctx = accel.RunContext.single(device=device, precision=precision)
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = accel.wrap_model(ctx, plumbing.make_llama(sizes), compile=compiled)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=plumbing.on_gpu(device))
+            mode = "compiled" if compiled else "eager"
+            steps[f"{precision}, {mode}"] = step_with_accel(ctx, model, opt)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for step in steps.values():  # warm up: compile, allocator, cuBLAS plans
+        for i in range(args.warmup):
+            step(tokens, i)
+    sync(device)
+    names = list(steps)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            for i in range(args.steps):
+                steps[name](tokens, i)
+            sync(device)
+            times[name].append((time.perf_counter() - start) / args.steps)
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        fp8_report["variants"] = {
+            name: {
+                "median_step_s": medians[name],
+                "best_step_s": min(ts),
+                "speedup_over_bf16": medians[name.replace("fp8", "bf16")] / medians[name],
+            }
+            for name, ts in times.items()
+        }
+        write(args.out, report)
+
+
 def write(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
@@ -287,7 +334,7 @@ def main() -> None:
         "dry_run": args.dry_run,
         "device": torch.cuda.get_device_name(device) if plumbing.on_gpu(device) else "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
-        "accelerate": _version("accelerate"),
+        "accelerate": _version("accelerate"), "torchao": _version("torchao"),
     }  # fmt: skip
     # The dry run compiles through aot_eager: dynamo and AOTAutograd trace as on the GPU,
     # without minutes of C++ builds on a CPU (the GPU run compiles with inductor).
@@ -295,6 +342,8 @@ def main() -> None:
     with patch if args.dry_run else contextlib.nullcontext():
         time_steps(args, device, report)
     time_loads(args, device, report)
+    with patch if args.dry_run else contextlib.nullcontext():
+        time_fp8(args, device, report)
     report["complete"] = True
     write(args.out, report)
     print(json.dumps(report, indent=2))

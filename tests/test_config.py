@@ -50,7 +50,7 @@ def test_precision_spellings(tmp_path: Path, raw: str, expected: str) -> None:
     [
         ({"num_procesess": 2}, ValueError, r"unknown key 'num_procesess'; expected one of"),
         ({"num_processes": -3}, ValueError, r"num_processes=-3 must be an integer >= 1"),
-        ({"mixed_precision": "fp8"}, ValueError, r"mixed_precision='fp8' is not a precision"),
+        ({"mixed_precision": "fp4"}, ValueError, r"mixed_precision='fp4' is not a precision"),
         ({"rdzv_backend": "etcd"}, ValueError, r"rdzv_backend='etcd' is not allowed"),
         ({"use_cpu": "yes"}, ValueError, r"use_cpu='yes' must be true or false"),
         ({"distributed_type": "DEEPSPEED"}, NotImplementedError, r"does not wrap DeepSpeed"),

@@ -10,6 +10,7 @@ PUBLIC_API = [
     "Config",
     "DDPOptions",
     "FSDPOptions",
+    "Float8Options",
     "JSONLTracker",
     "LoadResult",
     "MLflowTracker",

@@ -29,6 +29,8 @@ def accelerate_environment(config: _config.Config) -> tuple[dict[str, str], list
         "ACCELERATE_USE_CPU": str(config.use_cpu),
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(config.gradient_accumulation_steps),
     }
+    if config.mixed_precision == "fp8":
+        env["ACCELERATE_FP8_BACKEND"] = "AO"  # the only fp8 backend accel trains with
     warnings = []
     if config.gradient_accumulation_steps > 1:
         warnings.append(_TRAINER_ONLY_FROM_ARGS.format(steps=config.gradient_accumulation_steps))

@@ -80,7 +80,7 @@ def _questions() -> dict[str, Any]:
     )
     values["use_cpu"] = _ask("Run on CPU only (yes/no)?", False, _yes)
     values["mixed_precision"] = _ask(
-        "Mixed precision (fp32/bf16/fp16)?", "fp32", _key("mixed_precision")
+        "Mixed precision (fp32/bf16/fp16/fp8)?", "fp32", _key("mixed_precision")
     )
     values["gradient_accumulation_steps"] = _ask(
         "Gradient accumulation steps?", 1, _key("gradient_accumulation_steps")

@@ -16,12 +16,20 @@ from torch.nn.parallel import DistributedDataParallel
 from accel._groups import require_group
 from accel._parallelism import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
-from accel.parallel import _fsdp, _start, _tp
+from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
+from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._plan import WrapPlan, WrapStrategy, is_wrapped, make_plan
 
-__all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
+__all__ = [
+    "DDPOptions",
+    "FSDPOptions",
+    "Float8Options",
+    "check_optimizer",
+    "unwrap_model",
+    "wrap_model",
+]
 
 
 def wrap_model(
@@ -34,6 +42,7 @@ def wrap_model(
     ddp: DDPOptions | None = None,
     compile: CompileMode | None = None,
     activation_checkpointing: bool | tuple[type[nn.Module] | str, ...] | None = None,
+    fp8: Float8Options | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -67,6 +76,9 @@ def wrap_model(
             FSDP layer classes when given, else the members of each nn.ModuleList of one
             class), a tuple of block classes (or class names), or False; default
             `ctx.activation_checkpointing`, the launcher config's.
+        fp8: which Linear layers torchao's float8 training converts when
+            `ctx.precision == "fp8"` (before tensor parallel and FSDP2); default
+            `Float8Options()`: dims multiples of 16, not the output head.
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -80,8 +92,9 @@ def wrap_model(
             class matching nothing, a meta model under DDP, or "fsdp2" without a process group.
         TypeError: for a `model` that is not an `nn.Module`, a `tp_plan` that is not a dict of
             str patterns, or an `activation_checkpointing` of another type.
-        NotImplementedError: for DDP combined with tensor parallelism, or offload_params on a
-            CPU run.
+        NotImplementedError: for DDP combined with tensor parallelism, offload_params on a
+            CPU run, or (fp8) a tp style torchao has no float8 twin of.
+        ImportError: for ctx.precision="fp8" without torchao (`accel-train[fp8]`).
         RuntimeError: for "ddp" when no process group is initialised, or a split world
             without a DeviceMesh.
 
@@ -111,10 +124,13 @@ def wrap_model(
         compile=check_compile("wrap_model", ctx.compile if compile is None else compile),
         activation_checkpointing=activation_checkpointing,
     )
-    return _apply(ctx, model, plan)
+    fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
+    return _apply(ctx, model, plan, fp8_plan)
 
 
-def _apply(ctx: RunContext, model: nn.Module, plan: WrapPlan) -> nn.Module:
+def _apply(
+    ctx: RunContext, model: nn.Module, plan: WrapPlan, fp8_plan: _float8.Float8Plan | None
+) -> nn.Module:
     """Run the plan's steps in torch's order; each step does nothing when the plan says so."""
     originals = list(model.parameters())
     _start.place(model, ctx.device)
@@ -122,6 +138,8 @@ def _apply(ctx: RunContext, model: nn.Module, plan: WrapPlan) -> nn.Module:
         group = require_group(ctx, "wrap_model")
         if plan.agree == "always" or _start.weights_differ(ctx, model, group):
             _start.broadcast_weights(model, group)
+    if fp8_plan is not None:
+        _float8.convert(model, fp8_plan)
     if plan.tp_styles is not None:
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
     _fsdp.checkpoint_activations(list(plan.checkpointed))
@@ -133,6 +151,8 @@ def _apply(ctx: RunContext, model: nn.Module, plan: WrapPlan) -> nn.Module:
         )
     elif plan.data == "ddp":
         wrapped = apply_ddp(ctx, model, plan.ddp, group=plan.ddp_group)
+    if fp8_plan is not None and fp8_plan.precompute:
+        _float8.precompute_before_forward(model)
     current = {id(q) for q in model.parameters()}
     for q in originals:
         if id(q) not in current:

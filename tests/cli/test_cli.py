@@ -458,4 +458,5 @@ def test_launch_flags_cover_every_accelerate_section_key() -> None:
         "fsdp_config": _accelerate_config.FSDP_KEYS,
         "parallelism_config": _accelerate_config.PARALLELISM_KEYS,
         "dynamo_config": _accelerate_config.DYNAMO_KEYS,
+        "fp8_config": _accelerate_config.FP8_KEYS,
     }
