@@ -75,7 +75,10 @@ from accel.notebook import (
 from accel.parallel import (
     DDPOptions,
     FSDPOptions,
+    PipelineStages,
     check_optimizer,
+    pipeline_stages,
+    pipeline_step,
     unwrap_model,
     wrap_model,
 )
@@ -138,6 +141,7 @@ __all__ = [
     "MLflowTracker",
     "Parallelism",
     "PerRank",
+    "PipelineStages",
     "RankLogger",
     "RunContext",
     "ShardBatch",
@@ -195,6 +199,8 @@ __all__ = [
     "on_process",
     "optimizer_step",
     "pad_across_processes",
+    "pipeline_stages",
+    "pipeline_step",
     "profile",
     "progress",
     "reduce",

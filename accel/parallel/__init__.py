@@ -13,15 +13,24 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._groups import require_group
 from accel._parallelism import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
 from accel.parallel._fsdp import REPLACED
-from accel.parallel._plan import WrapPlan, WrapStrategy, is_wrapped, make_plan
+from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
+from accel.parallel._plan import WrapPlan, WrapStrategy, agree_group, is_wrapped, make_plan
 
-__all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
+__all__ = [
+    "DDPOptions",
+    "FSDPOptions",
+    "PipelineStages",
+    "check_optimizer",
+    "pipeline_stages",
+    "pipeline_step",
+    "unwrap_model",
+    "wrap_model",
+]
 
 
 def wrap_model(
@@ -119,7 +128,7 @@ def _apply(ctx: RunContext, model: nn.Module, plan: WrapPlan) -> nn.Module:
     originals = list(model.parameters())
     _start.place(model, ctx.device)
     if plan.agree != "no":
-        group = require_group(ctx, "wrap_model")
+        group = agree_group(ctx)
         if plan.agree == "always" or _start.weights_differ(ctx, model, group):
             _start.broadcast_weights(model, group)
     if plan.tp_styles is not None:
