@@ -4,7 +4,8 @@ One world of 4 processes runs every case, each on its own DeviceMesh: pp=4 with 
 interleaved_1f1b and zbv (several stages per rank), pp=2 x dp_shard=2 (FSDP2 per stage through
 `wrap_model`) and pp=2 x tp=2 (tensor parallelism per stage). Each case trains the same
 8-block Llama-style model for a few SGD steps with gradient clipping; the data comes through
-`shard_loader`, which must shard over dp only (pp peers see the same batches). After the steps
+`shard_loader`, which must shard over dp only (pp peers see the same batches; `num_items_in_batch`
+and `gather_for_metrics` count each sample once). After the steps
 every parameter equals the reference's within 1e-5 relative, the loss `pipeline_step` returns
 on every rank (averaged over dp) equals the reference loss, and `clip_grad_norm_` returns the
 whole model's norm on every rank.
@@ -73,8 +74,11 @@ def _train(ctx: accel.RunContext, parallelism: Parallelism, schedule: str, wrap:
     )  # fmt: skip
     optimizer = torch.optim.SGD(stages.parameters(), lr=LR, momentum=0.9)
     loader = DataLoader(data.flatten(0, 1), batch_size=GLOBAL_BATCH // ctx.dp_size)
-    losses, norms = [], []
-    for tokens in accel.shard_loader(ctx, loader):
+    losses, norms, counts, seen = [], [], [], []
+    sharded = accel.shard_loader(ctx, loader)
+    for tokens in sharded:
+        counts.append(accel.num_items_in_batch(ctx, [tokens], shift=True))
+        seen.append(accel.gather_for_metrics(ctx, tokens, loader=sharded))
         loss = accel.pipeline_step(ctx, stages, tokens[:, :-1], tokens[:, 1:])
         norms.append(accel.clip_grad_norm_(ctx, stages.parameters(), MAX_NORM).item())
         accel.optimizer_step(ctx, optimizer)
@@ -85,7 +89,8 @@ def _train(ctx: accel.RunContext, parallelism: Parallelism, schedule: str, wrap:
         for module in stages.modules
         for name, q in accel.unwrap_model(module).named_parameters()
     }
-    return {"losses": losses, "norms": norms, "params": params, "stages": stages.stage_ids}
+    return {"losses": losses, "norms": norms, "params": params, "stages": stages.stage_ids,
+            "counts": counts, "seen": seen}  # fmt: skip
 
 
 def _all_cases(ctx: accel.RunContext, data: torch.Tensor) -> list[dict[str, Any]]:
@@ -101,6 +106,9 @@ def test_every_mesh_and_schedule_trains_as_one_process_on_the_full_batch() -> No
         case = f"{parallelism} {schedule}"
         outs = [per_rank[c] for per_rank in results]
         for out in outs:  # every rank gets the loss and the whole model's norm
+            # pp peers share batches: counts and gathered samples are the global batch's, once
+            assert out["counts"] == [GLOBAL_BATCH * (data.shape[-1] - 1)] * STEPS, case
+            assert all(torch.equal(a, b) for a, b in zip(out["seen"], data, strict=True)), case
             assert out["losses"] == pytest.approx(expected["losses"], rel=1e-5), case
             assert out["norms"] == pytest.approx(expected["norms"], rel=1e-5), case
         names: set[str] = set()
