@@ -45,11 +45,15 @@ class PipelineStages:
     """This rank's pipeline stages and the schedule that runs them (from `pipeline_stages`).
 
     Give `parameters()` to the optimizer; pass the value to `pipeline_step`, `clip_grad_norm_`
-    (as `stages.parameters()`) and `save_state` (each of `modules` under its own key).
+    (as `stages.parameters()`) and `save_state` (as `stages.model`).
     """
 
     modules: tuple[nn.Module, ...]
     """This rank's stage modules (wrapped by `wrap=` when given), in stage order."""
+    model: nn.Module
+    """This rank's stages as one module under the whole model's names (sharing their
+    tensors): what `save_state` / `load_state` take, so a checkpoint holds every stage's
+    parameters by fully qualified name and loads at another pp size, or into the whole model."""
     stage_ids: tuple[int, ...]
     """The index of each module's stage among all `num_stages`."""
     num_stages: int
@@ -210,13 +214,12 @@ def pipeline_stages(
         NotImplementedError: a model holding parameters of its own above its units.
 
     Example:
-        >>> import torch
         >>> from torch import nn
         >>> import accel
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)] * 2))
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> stages = accel.pipeline_stages(
         ...     accel.RunContext.single(device="cpu"), model, loss_fn=nn.functional.mse_loss,
-        ...     microbatches=2, split_points=())
+        ...     microbatches=2, split_points=())  # pp_size 1: one stage, the whole model
         >>> stages.stage_ids, stages.num_stages
         ((0,), 1)
     """
@@ -232,8 +235,10 @@ def pipeline_stages(
     if wrap is not None:
         modules = [wrap(m) for m in modules]
     built = _build_schedule(ctx, modules, ids, len(per_stage), schedule, microbatches, loss_fn)
+    mine = [unit for i in ids for unit in per_stage[i]]
     return PipelineStages(
         modules=tuple(modules),
+        model=_stages.stage_module(model, mine),
         stage_ids=ids,
         num_stages=len(per_stage),
         microbatches=microbatches,
@@ -291,11 +296,19 @@ def pipeline_step(
     Raises:
         ValueError: when `stages.microbatches` does not divide the batch.
 
-    Example (not run here: it needs the processes of a pp group):
-
-        loss = accel.pipeline_step(ctx, stages, batch["input_ids"], batch["labels"])
-        accel.optimizer_step(ctx, optimizer)
-        optimizer.zero_grad()
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import accel
+        >>> ctx = accel.RunContext.single(device="cpu")
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> stages = accel.pipeline_stages(ctx, model, loss_fn=nn.functional.mse_loss,
+        ...                                microbatches=2, split_points=())
+        >>> optimizer = torch.optim.SGD(stages.parameters(), lr=0.1)
+        >>> loss = accel.pipeline_step(ctx, stages, torch.ones(4, 4), torch.zeros(4, 1))
+        >>> accel.optimizer_step(ctx, optimizer)
+        True
+        >>> optimizer.zero_grad()
     """
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     size = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else None

@@ -37,7 +37,7 @@ def units(model: nn.Module) -> list[str]:
 
     Example:
         >>> from torch import nn
-        >>> m = nn.Sequential(nn.Embedding(4, 2), nn.ModuleList([nn.Linear(2, 2)] * 2))
+        >>> m = nn.Sequential(nn.Embedding(4, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
         >>> units(m)
         ['0', '1.0', '1.1']
     """

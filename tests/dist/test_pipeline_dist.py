@@ -8,7 +8,9 @@ interleaved_1f1b and zbv (several stages per rank), pp=2 x dp_shard=2 (FSDP2 per
 and `gather_for_metrics` count each sample once). After the steps
 every parameter equals the reference's within 1e-5 relative, the loss `pipeline_step` returns
 on every rank (averaged over dp) equals the reference loss, and `clip_grad_norm_` returns the
-whole model's norm on every rank.
+whole model's norm on every rank. The same world saves a run at pp=2 x dp_shard=2 and resumes
+it at pp=4; the test then resumes it in one process: the per-step losses continue as the
+uninterrupted run's and the parameters end equal.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.models import TP_PLAN, batches, full_param, make_model
 pytestmark = pytest.mark.dist
 
 LAYERS, STEPS, GLOBAL_BATCH, LR, MAX_NORM = 8, 3, 8, 0.1, 0.5
+RESUME_AT = 2  # the save / resume test saves after this many of the STEPS
 
 CASES = (
     (Parallelism(pp=4), "gpipe", None, 4),
@@ -93,15 +96,55 @@ def _train(ctx: accel.RunContext, parallelism: Parallelism, schedule: str, wrap:
             "counts": counts, "seen": seen}  # fmt: skip
 
 
-def _all_cases(ctx: accel.RunContext, data: torch.Tensor) -> list[dict[str, Any]]:
-    return [_train(ctx, *case, data) for case in CASES]
+def _resume_part(ctx: accel.RunContext, parallelism: Parallelism, data: torch.Tensor,
+                 folder: str, save: bool) -> dict[str, Any]:  # fmt: skip
+    """Train on `data` at `parallelism`: from scratch then save, or loaded from `folder`."""
+    ctx = with_mesh(dataclasses.replace(ctx, parallelism=None, mesh=None), parallelism,
+                    source="test")  # fmt: skip
+    wrapper = (lambda m: accel.wrap_model(ctx, m)) if parallelism.dp_shard > 1 else None
+    stages = accel.pipeline_stages(ctx, make_model(layers=LAYERS), loss_fn=token_loss,
+                                   microbatches=4, wrap=wrapper)  # fmt: skip
+    optimizer = torch.optim.SGD(stages.parameters(), lr=LR, momentum=0.9)
+    if not save:
+        accel.load_state(ctx, folder, model=stages.model, optimizer=optimizer)
+    losses = []
+    for tokens in data:
+        part = tokens.chunk(ctx.dp_size)[ctx.dp_rank]
+        loss = accel.pipeline_step(ctx, stages, part[:, :-1], part[:, 1:])
+        accel.clip_grad_norm_(ctx, stages.parameters(), MAX_NORM)
+        accel.optimizer_step(ctx, optimizer)
+        optimizer.zero_grad()
+        losses.append(accel.reduce(accel.along(ctx, "dp"), loss, op="mean").item())
+    if save:
+        accel.save_state(ctx, folder, model=stages.model, optimizer=optimizer)
+    return {"losses": losses, "params": {n: full_param(q)
+                                         for n, q in stages.model.named_parameters()}}  # fmt: skip
+
+
+def _whole_world(ctx: accel.RunContext, data: torch.Tensor, folder: str) -> dict[str, Any]:
+    cases = [_train(ctx, *case, data) for case in CASES]
+    first, second = data[:RESUME_AT], data[RESUME_AT:]
+    saved = _resume_part(ctx, Parallelism(pp=2, dp_shard=2), first, folder, save=True)
+    resumed = _resume_part(ctx, Parallelism(pp=4), second, folder, save=False)
+    return {"cases": cases, "saved": saved, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 4-rank world runs every case and the save / resume (spawning costs the most)."""
+    data = batches(STEPS, GLOBAL_BATCH)
+    folder = tmp_path_factory.mktemp("pipeline") / "state"
+    results = run_world(_whole_world, world_size=4, args=(data, str(folder)), timeout=600)
+    return {"data": data, "folder": folder, "results": results}
 
 
 @pytest.mark.slow
-def test_every_mesh_and_schedule_trains_as_one_process_on_the_full_batch() -> None:
-    data = batches(STEPS, GLOBAL_BATCH)
+def test_every_mesh_and_schedule_trains_as_one_process_on_the_full_batch(
+    world: dict[str, Any],
+) -> None:
+    data = world["data"]
     expected = _reference(data)
-    results = run_world(_all_cases, world_size=4, args=(data,), timeout=600)
+    results = [per_rank["cases"] for per_rank in world["results"]]
     for c, (parallelism, schedule, *_) in enumerate(CASES):
         case = f"{parallelism} {schedule}"
         outs = [per_rank[c] for per_rank in results]
@@ -121,3 +164,34 @@ def test_every_mesh_and_schedule_trains_as_one_process_on_the_full_batch() -> No
         assert names == expected["params"].keys(), case
     stage_ids = [per_rank[3]["stages"] for per_rank in results]  # zbv: the V shape
     assert stage_ids == [(0, 7), (1, 6), (2, 5), (3, 4)]
+
+
+@pytest.mark.slow
+def test_saved_at_pp2_x_dp_shard2_resumes_at_pp4_and_in_one_process(
+    world: dict[str, Any],
+) -> None:
+    data, folder = world["data"], world["folder"]
+    expected = _reference(data)
+    for out in world["results"]:  # every rank: the losses of the uninterrupted run
+        assert out["saved"]["losses"] == pytest.approx(expected["losses"][:RESUME_AT], rel=1e-5)
+        assert out["resumed"]["losses"] == pytest.approx(expected["losses"][RESUME_AT:], rel=1e-5)
+        for name, value in out["resumed"]["params"].items():
+            want = expected["params"][name].detach()
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
+    # One process: the whole model, by the same names, from the same checkpoint.
+    ctx = accel.RunContext.single(device="cpu")
+    model = make_model(seed=7, layers=LAYERS)  # other weights: the checkpoint must replace them
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    accel.load_state(ctx, folder, model=model, optimizer=optimizer)
+    losses = []
+    for tokens in data[RESUME_AT:]:
+        loss = token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(expected["losses"][RESUME_AT:], rel=1e-5)
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach(), expected["params"][name].detach(), rtol=1e-5,
+                                   atol=1e-6, msg=name)  # fmt: skip
