@@ -10,7 +10,7 @@ from torch import nn
 
 import accel
 from accel import Parallelism, RunContext, along
-from accel.config import load_config
+from accel.config import config_settings, load_config
 from accel.parallel import _stages
 from accel.parallel._pipeline import available_schedules, stage_ids
 from tests.models import batches, make_model
@@ -54,6 +54,8 @@ def test_pp_size_is_read_from_the_environment_and_accelerates_config(tmp_path) -
                     "  parallelism_config_tp_size: 2\n")  # fmt: skip
     config = load_config(path)
     assert dict(config.parallelism_config)["parallelism_config_pp_size"] == 2
+    settings = config_settings(config, "file")
+    assert settings["parallelism"][0].resolve(4) == Parallelism(pp=2, tp=2)
 
 
 def test_units_split_evenly_and_by_name() -> None:
@@ -137,3 +139,28 @@ def test_refused_settings_name_the_value() -> None:
 
 def test_the_schedules_of_this_torch_are_offered() -> None:
     assert {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zbv"} <= set(available_schedules())
+
+
+def test_one_rank_runs_a_multi_stage_schedules_stages_in_order() -> None:
+    tokens = batches(1, 4)[0]
+    reference = make_model(layers=2)
+    token_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+    ctx = RunContext.single(device="cpu")
+    stages = accel.pipeline_stages(
+        ctx, make_model(layers=2), loss_fn=token_loss, microbatches=2, schedule="zbv"
+    )
+    assert stages.stage_ids == (0, 1) and stages.has_first and stages.has_last
+    accel.pipeline_step(ctx, stages, tokens[:, :-1], tokens[:, 1:])
+    grads = {n: q.grad for n, q in stages.model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match=r"stages_per_rank=3 but split_points=\['layers.1'\]"):
+        accel.pipeline_stages(
+            ctx,
+            make_model(layers=2),
+            loss_fn=token_loss,
+            microbatches=2,
+            schedule="looped_bfs",
+            split_points=["layers.1"],
+            stages_per_rank=3,
+        )

@@ -162,6 +162,12 @@ def _split(
             f"{fn}: split_points={points!r} makes {num} stages, not a multiple of "
             f"pp_size={ctx.pp_size}; give pp_size x stages_per_rank - 1 split points."
         )
+    if per_rank is not None and per_rank != num // ctx.pp_size:
+        raise ValueError(
+            f"{fn}: stages_per_rank={per_rank!r} but split_points={points!r} makes {num} "
+            f"stages over pp_size={ctx.pp_size}, {num // ctx.pp_size} a rank; give "
+            f"{ctx.pp_size * per_rank - 1} split points, or drop stages_per_rank."
+        )
     why = f"split_points={points!r} makes {num} stages over pp_size={ctx.pp_size}"
     per_rank = _check_per_rank(schedule, layout, num // ctx.pp_size, why)
     return _stages.stage_units(_stages.units(model), points, fn=fn), per_rank
@@ -342,14 +348,17 @@ def pipeline_step(
 
 
 def _run_locally(stages: PipelineStages, args: tuple[Any, ...], targets: Any) -> torch.Tensor:
-    """The one-stage pipeline: each microbatch's mean loss, backward scaled by 1/microbatches
-    (the gradient torch's schedules give with scale_grads=True)."""
-    (module,) = stages.modules
+    """The pipeline on one rank: each microbatch through the stages in order, its mean loss's
+    backward scaled by 1/microbatches (the gradient torch's schedules give with scale_grads)."""
+    order = [m for _, m in sorted(zip(stages.stage_ids, stages.modules, strict=True))]
     n = stages.microbatches
     chunks = [torch.tensor_split(a, n) if isinstance(a, torch.Tensor) else [a] * n for a in args]
     total = torch.zeros((), device=targets.device)
     for i, target in enumerate(torch.tensor_split(targets, n)):
-        loss = stages.loss_fn(module(*(c[i] for c in chunks)), target)
+        out = order[0](*(c[i] for c in chunks))
+        for module in order[1:]:
+            out = module(*out) if isinstance(out, tuple) else module(out)
+        loss = stages.loss_fn(out, target)
         torch.autograd.backward(loss / n)
         total += loss.detach().float()
     return total / n
