@@ -56,6 +56,11 @@ def test_pp_size_is_read_from_the_environment_and_accelerates_config(tmp_path) -
     assert dict(config.parallelism_config)["parallelism_config_pp_size"] == 2
     settings = config_settings(config, "file")
     assert settings["parallelism"][0].resolve(4) == Parallelism(pp=2, tp=2)
+    from accel.cli import _launch  # what `accel launch` exports to its workers
+
+    env = _launch.worker_environment(config)
+    assert (env["ACCEL_PP_SIZE"], env["ACCEL_TP_SIZE"]) == ("2", "2")
+    assert env_settings(env)["parallelism"][0] == Parallelism(pp=2, tp=2)
 
 
 def test_units_split_evenly_and_by_name() -> None:
