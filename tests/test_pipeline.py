@@ -3,6 +3,8 @@ modules, the one-rank pipeline's gradients and every refused setting (issue 27).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,7 @@ def test_pp_is_the_outermost_dimension_and_dp_excludes_it() -> None:
     assert "pp=2" in ctx.describe()
 
 
-def test_pp_size_is_read_from_the_environment_and_accelerates_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_pp_size_is_read_from_the_environment_and_accelerates_config(tmp_path: Path) -> None:
     from accel._env_vars import env_settings
 
     found = env_settings({"ACCEL_PP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "-1"})
@@ -169,3 +171,37 @@ def test_one_rank_runs_a_multi_stage_schedules_stages_in_order() -> None:
             split_points=["layers.1"],
             stages_per_rank=3,
         )
+
+
+def test_a_mesh_with_pp_and_two_more_dimensions_has_the_stage_group() -> None:
+    # wrap_model agrees on initial weights among the ranks holding one stage: with pp and two
+    # more dimensions that is the flattened "stage" dimension (fake process group: topology only).
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from accel._mesh import with_mesh
+    from accel.parallel._plan import agree_group
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        ctx = with_mesh(RunContext(rank=5, world_size=8), Parallelism(pp=2, dp_shard=2, tp=2),
+                        source="test")  # fmt: skip
+        assert ctx.mesh.mesh_dim_names == ("pp", "dp_shard", "tp")
+        stage = ctx.mesh["dp_shard", "tp"]._flatten("stage")
+        assert stage.mesh.flatten().tolist() == [4, 5, 6, 7]
+        assert dist.get_world_size(agree_group(ctx)) == 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stage_built_on_meta_loads_only_its_own_weights(tmp_path: Path) -> None:
+    source = make_model(layers=4)
+    accel.save_model(RunContext.single(device="cpu"), source, tmp_path)
+    with accel.init_empty_weights():
+        model = make_model(layers=4)
+    stage = _stages.stage_module(model, ["layers.2", "layers.3", "norm", "output"])
+    result = accel.load_checkpoint_in_model(stage, tmp_path, strict=False)
+    assert result.missing_keys == [] and "tok_embeddings.weight" in result.unexpected_keys
+    for name, q in stage.named_parameters():
+        assert torch.equal(q, source.get_parameter(name)), name
+    assert model.tok_embeddings.weight.is_meta  # other stages' units were never materialised

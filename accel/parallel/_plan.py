@@ -255,7 +255,11 @@ def agree_group(ctx: RunContext) -> Any:
         return require_group(ctx, "wrap_model")
     assert ctx.parallelism is not None  # pp > 1 is only ever set through parallelism
     rest = tuple(n for n in ctx.parallelism.names() if n != "pp")
-    return mesh_dim(ctx, rest[0] if len(rest) == 1 else "stage").get_group()
+    if len(rest) == 1:
+        return mesh_dim(ctx, rest[0]).get_group()
+    # init_distributed flattened these dimensions into "stage" already, so this returns that
+    # mesh (no new group); slicing "stage" from the root mesh is deprecated in torch 2.11+.
+    return mesh_dim(ctx, *rest)._flatten("stage").get_group()
 
 
 def _ddp_group(ctx: RunContext) -> Any:
