@@ -90,6 +90,7 @@ FSDP_KEYS = (
 
 _MESH_KEYS = MappingProxyType(
     {
+        "parallelism_config_pp_size": "pp",  # accel's own key: Accelerate has no pipeline size
         "parallelism_config_dp_replicate_size": "dp_replicate",
         "parallelism_config_dp_shard_size": "dp_shard",
         "parallelism_config_cp_size": "cp",

@@ -27,6 +27,7 @@ ENV_LOG_WITH = "ACCEL_LOG_WITH"
 BUILTIN_TRACKER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 ENV_MESH = MappingProxyType(
     {
+        "pp": "ACCEL_PP_SIZE",
         "dp_replicate": "ACCEL_DP_REPLICATE_SIZE",
         "dp_shard": "ACCEL_DP_SHARD_SIZE",
         "cp": "ACCEL_CP_SIZE",

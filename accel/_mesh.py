@@ -28,7 +28,9 @@ def with_mesh(ctx: RunContext, parallelism: Parallelism, *, source: str) -> RunC
 
     The mesh has one dimension per size > 1, named as in `Parallelism`, plus the flattened
     "dp" (dp_replicate x dp_shard) when both are > 1 and "dp_shard_cp" when cp > 1, the
-    dimensions FSDP2 and `along(ctx, "dp")` use. Every rank must call it.
+    dimensions FSDP2 and `along(ctx, "dp")` use, and "stage" (every dimension but pp) when pp
+    > 1 and several others are: the ranks that hold the same pipeline stage. Every rank must
+    call it.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,4 +52,6 @@ def with_mesh(ctx: RunContext, parallelism: Parallelism, *, source: str) -> RunC
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if resolved.cp > 1 and resolved.dp_shard > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if resolved.pp > 1 and len(names) > 2:
+        mesh[names[1:]]._flatten("stage")
     return dataclasses.replace(ctx, parallelism=resolved, mesh=mesh, sources=sources)

@@ -16,9 +16,10 @@ from accel._typing import as_dtype
 
 __all__ = ["FSDPOptions", "Parallelism"]
 
-MeshDim = Literal["dp", "dp_replicate", "dp_shard", "cp", "tp"]
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
-"""The mesh dimensions in their (row-major) order: tp ranks are adjacent, dp_replicate outermost."""
+MeshDim = Literal["pp", "dp", "dp_replicate", "dp_shard", "cp", "tp"]
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh dimensions in their (row-major, torchtitan's) order: tp ranks are adjacent, pp
+outermost (a pipeline stage's peers are the ranks of one block of the world)."""
 
 CompileMode = Literal[False, True, "regional"]
 
@@ -35,9 +36,10 @@ def check_compile(fn: str, value: Any, *, name: str = "compile") -> CompileMode:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Parallelism:
-    """Sizes of the mesh dimensions, in row-major order (dp_replicate, dp_shard, cp, tp).
+    """Sizes of the mesh dimensions, in row-major order (pp, dp_replicate, dp_shard, cp, tp).
 
-    `dp_replicate`: replicas (DDP, or HSDP's outer dimension, across nodes). `dp_shard`: ranks
+    `pp`: pipeline stages (`pipeline_stages` cuts the model over them). `dp_replicate`:
+    replicas (DDP, or HSDP's outer dimension, across nodes). `dp_shard`: ranks
     FSDP2 shards parameters over. `cp`: context parallelism (sequence split; CUDA only).
     `tp`: tensor parallelism (adjacent ranks, so a tp group stays on one node). One size may be
     -1: it is filled so the product equals the world size. `dp` is dp_replicate x dp_shard, the
@@ -50,6 +52,8 @@ class Parallelism:
         (4, 4)
     """
 
+    pp: int = 1
+    """Pipeline-parallel ranks: the model is cut into stages over them (outermost dimension)."""
     dp_replicate: int = 1
     """Replicas of the (possibly sharded) model; gradients are all-reduced across them."""
     dp_shard: int = 1
@@ -75,9 +79,9 @@ class Parallelism:
             )
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        """(dp_replicate, dp_shard, cp, tp)."""
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, cp, tp)."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def dp_size(self) -> int:

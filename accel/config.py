@@ -11,6 +11,7 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_SEED`             | `seed`             | int                    |
 | `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
 | `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
+| `ACCEL_PP_SIZE`          | `parallelism`      | int >= 1 or -1         |
 | `ACCEL_DP_REPLICATE_SIZE` | `parallelism`   | int >= 1 or -1 (fill)  |
 | `ACCEL_DP_SHARD_SIZE`    | `parallelism`      | int >= 1 or -1         |
 | `ACCEL_CP_SIZE`          | `parallelism`      | int >= 1 or -1         |

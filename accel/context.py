@@ -211,6 +211,16 @@ class RunContext:
         return self.world_size > 1
 
     @property
+    def pp_rank(self) -> int:
+        """This rank's index in its pipeline-parallel group (which stage(s) it holds)."""
+        return _coordinate(self, "pp")[0]
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks the model's pipeline stages are spread over."""
+        return _coordinate(self, "pp")[1]
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (dp_replicate x dp_shard)."""
         return _coordinate(self, "dp")[0]
@@ -266,9 +276,9 @@ class RunContext:
         return "\n".join(lines)
 
 
-def _sizes(ctx: RunContext) -> tuple[int, int, int, int]:
+def _sizes(ctx: RunContext) -> tuple[int, int, int, int, int]:
     if ctx.parallelism is None:
-        return (ctx.world_size, 1, 1, 1)
+        return (1, ctx.world_size, 1, 1, 1)
     return ctx.parallelism.sizes
 
 
@@ -291,7 +301,7 @@ def _coordinate(ctx: RunContext, dim: str) -> tuple[int, int]:
 def _submesh(ctx: RunContext, dim: str) -> Any:
     key = dim
     if dim == "dp":  # flattened only when both parts are > 1; otherwise it is the one that is
-        rep, shard = _sizes(ctx)[:2]
+        rep, shard = _sizes(ctx)[1:3]
         key = "dp" if rep > 1 and shard > 1 else ("dp_shard" if shard > 1 else "dp_replicate")
     try:
         return ctx.mesh[key]
@@ -309,7 +319,7 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
     The result's `rank` and `world_size` (and `local_rank`, `local_world_size`) are this rank's
     index along `dim` and the size of `dim`; its `process_group` is that dimension's group, so
     every collective works on it unchanged: `accel.reduce(along(ctx, "dp"), loss, op="mean")`
-    averages over the ranks that saw different data. Dimensions: "dp" (dp_replicate x
+    averages over the ranks that saw different data. Dimensions: "pp", "dp" (dp_replicate x
     dp_shard), "dp_replicate", "dp_shard", "cp", "tp".
 
     Args:

@@ -18,7 +18,7 @@ from torch import nn
 from accel._dtensor import is_dtensor
 from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
-from accel.context import RunContext
+from accel.context import RunContext, along
 from accel.parallel import check_optimizer
 
 if TYPE_CHECKING:
@@ -291,6 +291,8 @@ def clip_grad_norm_(
     """
     _unscale_before_clip(ctx, "clip_grad_norm_", optimizer, scaler)
     params = _with_grads(model)
+    if ctx.pp_size > 1:  # every stage's norm is a part of the whole model's
+        return _clip_over_stages(ctx, params, max_norm, norm_type)
     if not params:
         return torch.zeros((), device=ctx.device)
     groups = _by_mesh(params)
@@ -303,6 +305,27 @@ def clip_grad_norm_(
     parts = [_full(torch.nn.utils.get_total_norm(_grads(g), norm_type)) for g in groups]
     stacked = torch.stack([q.to(parts[0].device) for q in parts])
     total = stacked.max() if norm_type == float("inf") else stacked.norm(norm_type)
+    for g in groups:
+        torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(g[0].device))
+    return total
+
+
+def _clip_over_stages(
+    ctx: RunContext, params: list[torch.Tensor], max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """Clip pipeline stages to the whole model's norm: each rank's stage norms combined over
+    the pp group (sum of p-th powers, or max), as torchtitan's pipelined clipping does."""
+    groups = _by_mesh(params)
+    parts = [_full(torch.nn.utils.get_total_norm(_grads(g), norm_type)) for g in groups]
+    device = comm_device(ctx)
+    local = torch.zeros((), device=device, dtype=torch.float32)
+    inf = norm_type == float("inf")
+    for q in parts:
+        q = q.to(device, torch.float32)
+        local = torch.maximum(local, q) if inf else local + q**norm_type
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    dist.all_reduce(local, op=op, group=along(ctx, "pp").process_group)
+    total = local if inf else local ** (1.0 / norm_type)
     for g in groups:
         torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(g[0].device))
     return total

@@ -47,8 +47,9 @@ SECTION_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "fsdp_transformer_layer_cls_to_wrap",
     )),
     ("parallelism_config", (
-        "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
-        "parallelism_config_cp_size", "parallelism_config_tp_size",
+        "parallelism_config_pp_size", "parallelism_config_dp_replicate_size",
+        "parallelism_config_dp_shard_size", "parallelism_config_cp_size",
+        "parallelism_config_tp_size",
         "parallelism_config_cp_comm_strategy",
     )),
     ("dynamo_config", (

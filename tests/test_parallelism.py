@@ -65,8 +65,8 @@ def test_sizes_that_do_not_multiply_to_the_world_are_refused() -> None:
 
 
 def test_along_refuses_an_unknown_dimension() -> None:
-    with pytest.raises(ValueError, match=r"dim='pp' is not a mesh dimension"):
-        along(RunContext(), "pp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dim='ep' is not a mesh dimension"):
+        along(RunContext(), "ep")  # type: ignore[arg-type]
 
 
 def test_describe_shows_the_parallelism_and_its_source() -> None:

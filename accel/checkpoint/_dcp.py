@@ -76,17 +76,27 @@ def owner_model(optimizer: torch.optim.Optimizer, models: dict[str, nn.Module]) 
 
 
 def state_dicts(
-    models: dict[str, nn.Module], optimizers: dict[str, tuple[torch.optim.Optimizer, str]]
+    models: dict[str, nn.Module],
+    optimizers: dict[str, tuple[torch.optim.Optimizer, str]],
+    *,
+    flat: bool = False,
 ) -> dict[str, Any]:
-    """The DCP state of each model and optimizer, keyed by the user's names."""
+    """The DCP state of each model and optimizer, keyed by the user's names.
+
+    `flat` stores the optimizer's hyperparameters per parameter name: pipeline stages hold
+    different parameters, and a nested `param_groups` entry (one object, written by one rank)
+    would only list one stage's (torchtitan flattens for the same reason).
+    """
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     state: dict[str, Any] = {name: get_model_state_dict(m) for name, m in models.items()}
     for name, (opt, model_name) in optimizers.items():
-        state[name] = get_optimizer_state_dict(models[model_name], opt)
+        state[name] = get_optimizer_state_dict(models[model_name], opt, options=options)
     return state
 
 
@@ -104,15 +114,18 @@ def load(
     models: dict[str, nn.Module],
     optimizers: dict[str, tuple[torch.optim.Optimizer, str]],
     group: Any,
+    *,
+    flat: bool = False,
 ) -> None:
     """Load models and optimizers from `directory/dcp`, resharding to the current layout."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    state = state_dicts(models, optimizers)
+    state = state_dicts(models, optimizers, flat=flat)
     with warnings.catch_warnings():
         # Loading a sharded checkpoint in one plain process is intended here, not a mistake.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -120,4 +133,5 @@ def load(
     for name, model in models.items():
         set_model_state_dict(model, state[name])
     for name, (opt, model_name) in optimizers.items():
-        set_optimizer_state_dict(models[model_name], opt, state[name])
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        set_optimizer_state_dict(models[model_name], opt, state[name], options=options)

@@ -62,7 +62,7 @@ def start_save(
     after_publish: Callable[[], None] | None = None,
 ) -> CheckpointHandle:
 
-    plan = classify(fn, objects)
+    plan = classify(fn, objects, pipelined=ctx.pp_size > 1)
     _wait_for_previous_saves()  # a background save of this same name may publish meanwhile
     replace = _atomic.check_target(fn, final)  # on every rank: they all refuse alike
     group = group_of(ctx, fn)
@@ -75,11 +75,14 @@ def start_save(
         if plan.dcp_models:  # a collective: runs in the caller's thread, before any background
             models = dict(plan.dcp_models)
             optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
-            _dcp.save(_dcp.state_dicts(models, optimizers), staging, group)
+            flat = ctx.pp_size > 1  # stages hold different parameters: see _dcp.state_dicts
+            _dcp.save(_dcp.state_dicts(models, optimizers, flat=flat), staging, group)
         files = snapshot(fn, ctx, plan, objects, copy=not blocking)
     names = sorted(n for n, _ in plan.kinds) + [n for n, _ in plan.dcp_models]
     names += [n for n, _, _ in plan.dcp_optimizers]
     info = {**info, "objects": names, "dcp": [n for n, _ in plan.dcp_models]}
+    if ctx.pp_size > 1 and plan.dcp_optimizers:
+        info["dcp_flat_optimizer"] = True
     timeout_s = ctx.timeout.total_seconds() if ctx.timeout is not None else 1800.0
 
     def job() -> None:

@@ -70,10 +70,17 @@ class Plan:
     """(name, optimizer, name of its model)."""
 
 
-def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None = None) -> Plan:
+def classify(
+    fn: str,
+    objects: dict[str, Any],
+    dcp_names: frozenset[str] | None = None,
+    *,
+    pipelined: bool = False,
+) -> Plan:
     """Sort the objects; raise TypeError naming one that cannot be saved.
 
-    Models go through DCP when sharded (saving) or when saved that way (`dcp_names`, loading).
+    Models go through DCP when sharded or `pipelined` (each pp rank holds other stages, so
+    rank 0 alone cannot write the model; saving) or when saved that way (`dcp_names`, loading).
     """
 
     kinds: list[tuple[str, str]] = []
@@ -94,7 +101,9 @@ def classify(fn: str, objects: dict[str, Any], dcp_names: frozenset[str] | None 
         if isinstance(obj, PerRank) or getattr(obj, "state_is_per_rank", False) is True:
             kinds.append((name, "per_rank"))
         elif isinstance(obj, nn.Module) and (
-            name in dcp_names if dcp_names is not None else is_sharded(unwrap_model(obj))
+            name in dcp_names
+            if dcp_names is not None
+            else pipelined or is_sharded(unwrap_model(obj))
         ):
             dcp_models[name] = unwrap_model(obj)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -340,7 +349,9 @@ def load(
         _apply_grads(model, saved)
     if plan.dcp_models:
         models = dict(plan.dcp_models)
-        _dcp.load(directory, models, {n: (o, m) for n, o, m in plan.dcp_optimizers}, group)
+        optimizers = {n: (o, m) for n, o, m in plan.dcp_optimizers}
+        flat = manifest.get("dcp_flat_optimizer") is True
+        _dcp.load(directory, models, optimizers, group, flat=flat)
     for model, saved in dcp_grads:
         restore_window_grads(fn, model, saved or {})
     if rng is not None:

@@ -13,20 +13,23 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._groups import require_group
 from accel._parallelism import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
 from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
 from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
-from accel.parallel._plan import WrapPlan, WrapStrategy, is_wrapped, make_plan
+from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
+from accel.parallel._plan import WrapPlan, WrapStrategy, agree_group, is_wrapped, make_plan
 
 __all__ = [
     "DDPOptions",
     "FSDPOptions",
     "Float8Options",
+    "PipelineStages",
     "check_optimizer",
+    "pipeline_stages",
+    "pipeline_step",
     "unwrap_model",
     "wrap_model",
 ]
@@ -135,7 +138,7 @@ def _apply(
     originals = list(model.parameters())
     _start.place(model, ctx.device)
     if plan.agree != "no":
-        group = require_group(ctx, "wrap_model")
+        group = agree_group(ctx)
         if plan.agree == "always" or _start.weights_differ(ctx, model, group):
             _start.broadcast_weights(model, group)
     if fp8_plan is not None:

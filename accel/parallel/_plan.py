@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from accel._groups import require_group
 from accel._parallelism import CompileMode, FSDPOptions, Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
@@ -246,6 +247,19 @@ def mesh_dim(ctx: RunContext, *names: str) -> Any:
             "has no DeviceMesh; build it with accel.init_distributed(parallelism=...)."
         )
     return ctx.mesh[names if len(names) > 1 else names[0]]
+
+
+def agree_group(ctx: RunContext) -> Any:
+    """The ranks that hold the same model: the world, or (pp > 1) one pipeline stage's peers."""
+    if ctx.pp_size == 1:
+        return require_group(ctx, "wrap_model")
+    assert ctx.parallelism is not None  # pp > 1 is only ever set through parallelism
+    rest = tuple(n for n in ctx.parallelism.names() if n != "pp")
+    if len(rest) == 1:
+        return mesh_dim(ctx, rest[0]).get_group()
+    # init_distributed flattened these dimensions into "stage" already, so this returns that
+    # mesh (no new group); slicing "stage" from the root mesh is deprecated in torch 2.11+.
+    return mesh_dim(ctx, *rest)._flatten("stage").get_group()
 
 
 def _ddp_group(ctx: RunContext) -> Any:
