@@ -79,6 +79,11 @@ from accel.parallel import (
     unwrap_model,
     wrap_model,
 )
+from accel.parallel.deepspeed import (
+    DeepSpeedOptions,
+    build_deepspeed_ops,
+    deepspeed_engine,
+)
 from accel.precision import (
     autocast,
     clip_grad_norm_,
@@ -132,6 +137,7 @@ __all__ = [
     "CheckpointHandle",
     "Config",
     "DDPOptions",
+    "DeepSpeedOptions",
     "FSDPOptions",
     "JSONLTracker",
     "LoadResult",
@@ -155,12 +161,14 @@ __all__ = [
     "average_parameters",
     "broadcast",
     "broadcast_object",
+    "build_deepspeed_ops",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
     "compute_module_sizes",
     "cpu_offload",
     "default_config_path",
+    "deepspeed_engine",
     "describe_device_map",
     "disk_offload",
     "dispatch_checkpoint",

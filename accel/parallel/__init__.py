@@ -20,6 +20,7 @@ from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._plan import WrapPlan, WrapStrategy, is_wrapped, make_plan
+from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
 
 __all__ = ["DDPOptions", "FSDPOptions", "check_optimizer", "unwrap_model", "wrap_model"]
 
@@ -34,6 +35,7 @@ def wrap_model(
     ddp: DDPOptions | None = None,
     compile: CompileMode | None = None,
     activation_checkpointing: bool | tuple[type[nn.Module] | str, ...] | None = None,
+    deepspeed: DeepSpeedOptions | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -67,6 +69,9 @@ def wrap_model(
             FSDP layer classes when given, else the members of each nn.ModuleList of one
             class), a tuple of block classes (or class names), or False; default
             `ctx.activation_checkpointing`, the launcher config's.
+        deepspeed: with strategy="deepspeed", the DeepSpeed config and your optimizer
+            (`DeepSpeedOptions`); the returned model is the DeepSpeed engine, and
+            `accumulate`, `optimizer_step` and `clip_grad_norm_` route to it.
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -101,6 +106,8 @@ def wrap_model(
             f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
             "once (accel.unwrap_model(model) returns it)."
         )
+    if strategy == "deepspeed" or deepspeed is not None:
+        return _wrap_deepspeed(ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile)
     plan = make_plan(
         ctx,
         model,
@@ -112,6 +119,26 @@ def wrap_model(
         activation_checkpointing=activation_checkpointing,
     )
     return _apply(ctx, model, plan)
+
+
+def _wrap_deepspeed(
+    ctx: RunContext, model: nn.Module, strategy: str, options: Any, *others: Any
+) -> nn.Module:
+    """strategy="deepspeed": the engine is the whole wrapper; other strategies' options are refused."""
+    if strategy != "deepspeed" or not isinstance(options, DeepSpeedOptions):
+        raise ValueError(
+            f"wrap_model: strategy={strategy!r} with deepspeed={options!r}; DeepSpeed needs "
+            "both: strategy='deepspeed', deepspeed=accel.DeepSpeedOptions(config=..., "
+            "optimizer=...)."
+        )
+    if any(o is not None for o in others):
+        raise ValueError(
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan= or compile= "
+            "options (the DeepSpeed config says how the engine shards); drop them."
+        )
+    from accel.parallel import _deepspeed  # on use: it imports deepspeed
+
+    return _deepspeed.apply_deepspeed(ctx, model, options)
 
 
 def _apply(ctx: RunContext, model: nn.Module, plan: WrapPlan) -> nn.Module:
@@ -165,6 +192,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
         if inner is None and isinstance(model, DistributedDataParallel):
+            inner = model.module
+        if inner is None and deepspeed_engine(model) is model:
             inner = model.module
         if not isinstance(inner, nn.Module):
             return model
