@@ -60,8 +60,9 @@ def accumulate(
     of the data, `is_last`), gradients stay local: DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync(False)`. On the boundary they are all-reduced once; step the
     optimizer when `sync` is True. A DeepSpeed engine is told whether this micro-step is a
-    boundary (`set_gradient_accumulation_boundary`), and reduces and steps on its own terms. Put both forward and backward inside the block. With
-    `world_size == 1`, or a model that is neither DDP nor FSDP2, nothing is skipped.
+    boundary (`set_gradient_accumulation_boundary`), and reduces and steps on its own terms.
+    Put both forward and backward inside the block. With `world_size == 1`, or a model that is
+    neither DDP nor FSDP2, nothing is skipped.
 
     Args:
         ctx: the run context; `ctx.grad_accum_steps` is the window length.

@@ -19,9 +19,13 @@ from accel import RunContext
 from accel.parallel._deepspeed_config import engine_config, read_config, resolve_config
 
 
-def _resolve(raw: Any, *, model: nn.Module | None = None, micro: int | None = 4, **ctx: Any) -> dict[str, Any]:
+def _resolve(
+    raw: Any, *, model: nn.Module | None = None, micro: int | None = 4, **ctx: Any
+) -> dict[str, Any]:
     c = RunContext.single(**ctx)
-    return resolve_config(c, model or nn.Linear(2, 2), raw, micro_batch_size=micro, client_opt=True)[0]
+    return resolve_config(
+        c, model or nn.Linear(2, 2), raw, micro_batch_size=micro, client_opt=True
+    )[0]
 
 
 def test_accelerate_section_becomes_the_json_accelerate_writes() -> None:
@@ -71,7 +75,9 @@ def test_autos_are_filled_from_the_context_as_accelerate_fills_them() -> None:
 
 def test_a_path_to_a_json_and_accelerates_config_file_key(tmp_path: Path) -> None:
     file = tmp_path / "ds.json"
-    file.write_text(json.dumps({"zero_optimization": {"stage": "auto"}, "gradient_clipping": "auto"}))
+    file.write_text(
+        json.dumps({"zero_optimization": {"stage": "auto"}, "gradient_clipping": "auto"})
+    )
     with pytest.raises(ValueError, match=r"keeps 'auto' at \['zero_optimization.stage'\]"):
         _resolve(file)  # a DeepSpeed JSON alone: nothing fills the stage
     section = {"deepspeed_config_file": str(file), "zero_stage": 2, "gradient_clipping": 0.3}
@@ -91,7 +97,8 @@ def test_a_path_to_a_json_and_accelerates_config_file_key(tmp_path: Path) -> Non
          r"reduce_bucket_size='auto'.*hidden_size"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, {},
          r"'auto' at \['optimizer.params.lr'\]"),
-        ({"zero_stage": 2, "deepspeed_multinode_launcher": "pdsh"}, {}, r"deepspeed_multinode_launcher='pdsh'"),
+        ({"zero_stage": 2, "deepspeed_multinode_launcher": "pdsh"}, {},
+         r"deepspeed_multinode_launcher='pdsh'"),
         ({"zero_stage": 2, "zero_sage": 3}, {}, r"\['zero_sage'\] are not Accelerate's"),
     ],
 )  # fmt: skip
@@ -113,7 +120,9 @@ def test_fp16_and_a_missing_micro_batch_size_are_refused() -> None:
 def test_wrap_model_refuses_half_a_deepspeed_request() -> None:
     ctx = RunContext.single()
     model = nn.Linear(2, 2)
-    opts = accel.DeepSpeedOptions(config={"zero_stage": 2}, optimizer=torch.optim.SGD(model.parameters()))
+    opts = accel.DeepSpeedOptions(
+        config={"zero_stage": 2}, optimizer=torch.optim.SGD(model.parameters())
+    )
     with pytest.raises(ValueError, match=r"strategy='deepspeed', deepspeed=accel.DeepSpeedOptions"):
         accel.wrap_model(ctx, model, strategy="deepspeed")
     with pytest.raises(ValueError, match=r"strategy='auto' with deepspeed="):

@@ -45,6 +45,17 @@ def accelerate_environment(config: _config.Config) -> tuple[dict[str, str], list
             name = "FSDP_TRANSFORMER_CLS_TO_WRAP" if key.endswith("_cls_to_wrap") else key.upper()
             text = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
             env[name] = text.lower() if isinstance(value, bool) else text
+    if config.distributed_type == "DEEPSPEED":  # the variables Accelerate's launcher writes
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        for key, value in config.deepspeed_config:
+            name = key if key.startswith("deepspeed_") else f"deepspeed_{key}"
+            name = {"deepspeed_zero3_init_flag": "deepspeed_zero3_init"}.get(name, name)
+            if key == "gradient_clipping":
+                name = "gradient_clipping"
+            if key != "gradient_accumulation_steps":
+                env[f"ACCELERATE_{name.upper()}"] = (
+                    str(value).lower() if isinstance(value, bool) else str(value)
+                )
     if config.parallelism_config:
         env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
         for key, value in config.parallelism_config:

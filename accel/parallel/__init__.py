@@ -106,7 +106,9 @@ def wrap_model(
             f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
             "once (accel.unwrap_model(model) returns it)."
         )
-    if strategy == "deepspeed" or deepspeed is not None:
+    if strategy == "auto" and ctx.deepspeed is not None:
+        strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
+    if strategy == "deepspeed" or (deepspeed is not None and deepspeed.config is not None):
         return _wrap_deepspeed(ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile)
     plan = make_plan(
         ctx,
@@ -124,12 +126,18 @@ def wrap_model(
 def _wrap_deepspeed(
     ctx: RunContext, model: nn.Module, strategy: str, options: Any, *others: Any
 ) -> nn.Module:
-    """strategy="deepspeed": the engine is the whole wrapper; other strategies' options are refused."""
+    """strategy="deepspeed": the engine is the whole wrapper; other strategies' options refused."""
     if strategy != "deepspeed" or not isinstance(options, DeepSpeedOptions):
         raise ValueError(
             f"wrap_model: strategy={strategy!r} with deepspeed={options!r}; DeepSpeed needs "
-            "both: strategy='deepspeed', deepspeed=accel.DeepSpeedOptions(config=..., "
-            "optimizer=...)."
+            "both: strategy='deepspeed' (or 'auto' under a DeepSpeed launch), "
+            "deepspeed=accel.DeepSpeedOptions(config=..., optimizer=...)."
+        )
+    if options.config is None and ctx.deepspeed is None:
+        raise ValueError(
+            "wrap_model: DeepSpeedOptions(config=None) takes the launcher's DeepSpeed config, "
+            "and ctx.deepspeed is None (not launched with distributed_type DEEPSPEED); pass "
+            "config={'zero_stage': 2} (or a DeepSpeed JSON), or launch with --use_deepspeed."
         )
     if any(o is not None for o in others):
         raise ValueError(

@@ -67,7 +67,7 @@ def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions
     config, init_flag = resolve_config(
         ctx,
         model,
-        options.config,
+        options.config if options.config is not None else dict(ctx.deepspeed or ()),
         micro_batch_size=options.micro_batch_size,
         client_opt=options.optimizer is not None,
     )

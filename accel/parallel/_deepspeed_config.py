@@ -21,18 +21,10 @@ from typing import Any
 
 from torch import nn
 
+from accel._accelerate_config import DEEPSPEED_KEYS
 from accel.context import RunContext
 
-# Accelerate's `deepspeed_config` keys (its YAML section, its DeepSpeedPlugin fields).
-ACCELERATE_KEYS = frozenset(
-    {
-        "zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_clipping",
-        "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_config_file",
-        "gradient_accumulation_steps", "offload_optimizer_nvme_path", "offload_param_nvme_path",
-        "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
-        "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names",
-    }
-)  # fmt: skip
+ACCELERATE_KEYS = frozenset(DEEPSPEED_KEYS)
 # Keys of the section that only Accelerate's multi-node `deepspeed` launcher reads; accel
 # launches through torchrun, so a value other than Accelerate's default is refused.
 _LAUNCHER_KEYS = (
@@ -112,6 +104,7 @@ def _from_section(section: dict[str, Any]) -> tuple[dict[str, Any], bool]:
             f"{section['deepspeed_moe_layer_cls_names']!r} (ZeRO-3 MoE leaf modules) is not "
             "supported by accel; remove it."
         )
+    section = {k: _typed(k, v) for k, v in section.items()}
     init_flag = bool(section.get("zero3_init_flag", False))
     file = section.get("deepspeed_config_file")
     if file not in (None, "none", ""):
@@ -149,6 +142,25 @@ def _from_section(section: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return config, init_flag
 
 
+def _typed(key: str, value: Any) -> Any:
+    """A section value as YAML gives it, from an `accel launch` flag's string ("3", "true")."""
+    if not isinstance(value, str) or value == "auto":
+        return value
+    kind = {"zero_stage": int, "gradient_accumulation_steps": int, "gradient_clipping": float}
+    try:
+        if key in kind:
+            return kind[key](value)
+    except ValueError:
+        raise ValueError(
+            f"wrap_model: deepspeed_config {key}={value!r} must be a number, e.g. 2."
+        ) from None
+    if key in ("zero3_init_flag", "zero3_save_16bit_model"):
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"wrap_model: deepspeed_config {key}={value!r} must be true or false.")
+        return value.lower() == "true"
+    return value
+
+
 def _node(config: dict[str, Any], path: str) -> tuple[dict[str, Any] | None, str]:
     """The dict holding the last key of a dotted `path`, or None when a parent is missing."""
     *parents, key = path.split(".")
@@ -170,7 +182,7 @@ def _fill(config: dict[str, Any], path: str, value: Any, *, must_match: bool) ->
     elif must_match and node[key] != value:
         raise ValueError(
             f"wrap_model: the DeepSpeed config has {path}={node[key]!r} but the run has "
-            f"{value!r}; make them agree (set {path} to \"auto\" to take the run's value)."
+            f'{value!r}; make them agree (set {path} to "auto" to take the run\'s value).'
         )
 
 
@@ -198,7 +210,9 @@ def resolve_config(
             f"DeepSpeedOptions(micro_batch_size={micro_batch_size!r}); make them agree."
         )
     config.setdefault("train_batch_size", "auto")
-    _fill(config, "train_batch_size", micro * ctx.grad_accum_steps * ctx.world_size, must_match=True)
+    _fill(
+        config, "train_batch_size", micro * ctx.grad_accum_steps * ctx.world_size, must_match=True
+    )
     hidden = _hidden_size(model)
     for path, rule in _HIDDEN_SIZE_KEYS:
         node, key = _node(config, path)

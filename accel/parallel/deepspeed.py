@@ -41,10 +41,11 @@ class DeepSpeedOptions:
         8
     """
 
-    config: Mapping[str, Any] | str | os.PathLike[str]
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None
     """A DeepSpeed config (dict or JSON path), or Accelerate's `deepspeed_config` section
     (`zero_stage`, `offload_optimizer_device`, ..., `deepspeed_config_file`). "auto" values are
-    filled from the context (precision, accumulation, batch sizes, clipping)."""
+    filled from the context (precision, accumulation, batch sizes, clipping). None: the
+    launcher's (`ctx.deepspeed`, from `accel launch` with a DeepSpeed YAML or flags)."""
     optimizer: torch.optim.Optimizer | None = None
     """Your optimizer over the model's parameters; None when the config has an optimizer."""
     micro_batch_size: int | None = None

@@ -51,7 +51,9 @@ RTOL = {"fp32": 1e-5, "bf16": 2**-6}
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
 
 
 def _batches(ctx: accel.RunContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,7 +64,9 @@ def _batches(ctx: accel.RunContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[r : r + MICRO], y[r : r + MICRO]) for r in rows]
 
 
-def _train(ctx: accel.RunContext, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+def _train(
+    ctx: accel.RunContext, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> list[float]:
     """The user's loop, identical for every strategy."""
     losses = []
     for step, (xb, yb) in enumerate(_batches(ctx)):
@@ -95,8 +99,12 @@ def _ds_config(stage: int, offload: bool) -> dict[str, Any]:
 
 def _launcher_env(ctx: accel.RunContext) -> None:
     """What torchrun (accel launch) exports and DeepSpeed reads; run_world's ranks lack it."""
-    for key, value in (("RANK", ctx.rank), ("LOCAL_RANK", ctx.local_rank),
-                       ("WORLD_SIZE", ctx.world_size), ("LOCAL_WORLD_SIZE", ctx.world_size)):
+    for key, value in (
+        ("RANK", ctx.rank),
+        ("LOCAL_RANK", ctx.local_rank),
+        ("WORLD_SIZE", ctx.world_size),
+        ("LOCAL_WORLD_SIZE", ctx.world_size),
+    ):
         os.environ[key] = str(value)  # this spawned rank's own environment
 
 
