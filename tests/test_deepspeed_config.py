@@ -123,7 +123,9 @@ def test_wrap_model_refuses_half_a_deepspeed_request() -> None:
     opts = accel.DeepSpeedOptions(
         config={"zero_stage": 2}, optimizer=torch.optim.SGD(model.parameters())
     )
-    with pytest.raises(ValueError, match=r"strategy='deepspeed', deepspeed=accel.DeepSpeedOptions"):
+    with pytest.raises(
+        ValueError, match=r"strategy='deepspeed' with deepspeed=None; DeepSpeed needs both"
+    ):
         accel.wrap_model(ctx, model, strategy="deepspeed")
     with pytest.raises(ValueError, match=r"strategy='auto' with deepspeed="):
         accel.wrap_model(ctx, model, deepspeed=opts)
@@ -133,4 +135,6 @@ def test_wrap_model_refuses_half_a_deepspeed_request() -> None:
         accel.DeepSpeedOptions(config={}, optimizer="adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"micro_batch_size=0"):
         accel.DeepSpeedOptions(config={}, micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"config=None\) takes the launcher's DeepSpeed config"):
+        accel.wrap_model(ctx, model, strategy="deepspeed", deepspeed=accel.DeepSpeedOptions())
     assert accel.deepspeed_engine(torch.optim.SGD(model.parameters())) is None

@@ -1,69 +1,23 @@
-"""Build the DeepSpeed engine for wrap_model, and its C++ op ahead of it, one build at a time.
+"""Build the DeepSpeed engine for wrap_model from the resolved config and the user's optimizer.
 
 Imported only when a DeepSpeed strategy is asked for: it imports deepspeed.
 """
 
 from __future__ import annotations
 
-import fcntl
-import time
 import weakref
-from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from accel.context import RunContext
 from accel.parallel._deepspeed_config import engine_config, resolve_config
+from accel.parallel._deepspeed_ops import build_ops, import_deepspeed
 from accel.parallel.deepspeed import ENGINE_REF, DeepSpeedOptions
-
-_OP = "ShareMemCommBuilder"  # DeepSpeed's CPU shared-memory comm op, built at engine start
-
-
-def _import() -> Any:
-    try:
-        import deepspeed
-    except ImportError as err:
-        raise ImportError(
-            "wrap_model: strategy='deepspeed' needs DeepSpeed: pip install "
-            "'accel-train[deepspeed]'."
-        ) from err
-    return deepspeed
-
-
-def build_ops(*, remove_stale_lock: bool) -> float:
-    """Build DeepSpeed's CPU comm op under a file lock; see `build_deepspeed_ops`."""
-    _import()
-    from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
-
-    start = time.perf_counter()
-    builder = get_accelerator().create_op_builder(_OP)
-    if builder is None or not builder.is_compatible(verbose=False):
-        return time.perf_counter() - start  # not a CPU run: nothing is built at start
-    folder = Path(_get_build_directory(builder.NAME, verbose=False))
-    guard = folder.parent / f"{folder.name}.accel-build.lock"
-    with open(guard, "a") as handle:  # accel's own lock: released by the kernel if killed
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = folder / "lock"  # torch's FileBaton; every accel build holds the guard
-            if stale.exists():
-                if not remove_stale_lock:
-                    raise RuntimeError(
-                        f"wrap_model: {stale} is left from a killed DeepSpeed op build, and "
-                        "every build would wait on it forever. Remove it (rm "
-                        f"{stale}, or make deepspeed-ops), then run again."
-                    )
-                stale.unlink()
-            builder.load(verbose=False)
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-    return time.perf_counter() - start
 
 
 def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions) -> nn.Module:
     """deepspeed.initialize over the running process group; return the engine."""
-    deepspeed = _import()
+    deepspeed = import_deepspeed()
     config, init_flag = resolve_config(
         ctx,
         model,

@@ -119,6 +119,6 @@ def build_deepspeed_ops(*, remove_stale_lock: bool = False) -> float:
         >>> build_deepspeed_ops() >= 0  # doctest: +SKIP
         True
     """
-    from accel.parallel import _deepspeed  # on use: it imports deepspeed
+    from accel.parallel import _deepspeed_ops  # on use: it imports deepspeed
 
-    return _deepspeed.build_ops(remove_stale_lock=remove_stale_lock)
+    return _deepspeed_ops.build_ops(remove_stale_lock=remove_stale_lock)
