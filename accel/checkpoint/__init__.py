@@ -37,6 +37,7 @@ from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
+from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = [
     "CheckpointHandle",
@@ -115,7 +116,13 @@ def save_model(
     directory = _atomic.as_folder(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
-    state = inner.state_dict()
+    engine = deepspeed_engine(model)
+    if engine is not None:  # whole weights on every rank (ZeRO-3 gathers them), rank 0 writes
+        from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
+
+        state = engine_state(engine)
+    else:
+        state = inner.state_dict()
     if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
         tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
         publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)

@@ -3,7 +3,8 @@
 One world of 2 gloo ranks on the CPU runs every case: a real DeepSpeed engine (ZeRO-1, ZeRO-2,
 ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU; fp32 and bf16) driven by `accumulate`,
 `autocast`, `scaled_backward`, `clip_grad_norm_` and `optimizer_step`, against accel's DDP path
-with the same optimizer, data and accumulation 2.
+with the same optimizer, data and accumulation 2. After each ZeRO-3 run, `save_model` of the
+engine writes the files `save_model` writes for the same weights in a plain model.
 
 Tolerances. fp32: both runs compute the same sums; only the order of the gradient reduction
 differs (DeepSpeed reduce-scatters flat buckets and averages, DDP all-reduces a bucket and
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,6 +86,7 @@ def _train(
 
 def _ds_config(stage: int, offload: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    zero["stage3_gather_16bit_weights_on_model_save"] = True  # save_model gathers ZeRO-3
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
@@ -108,7 +111,31 @@ def _launcher_env(ctx: accel.RunContext) -> None:
         os.environ[key] = str(value)  # this spawned rank's own environment
 
 
-def _world(ctx: accel.RunContext) -> dict[str, Any]:
+def _check_save_model(ctx: accel.RunContext, engine: Any, folder: Path) -> None:
+    """save_model of the engine == save_model of the same weights in a plain, unsharded model.
+
+    The reference weights come from DeepSpeed's own consolidation (rank 0 gathers them), not
+    from the path save_model takes.
+    """
+    accel.save_model(ctx, engine, folder / "engine")
+    full = engine._zero3_consolidated_16bit_state_dict()  # collective; whole on rank 0 only
+    if ctx.rank == 0:
+        plain = _model().to(next(iter(full.values())).dtype)
+        plain.load_state_dict(full)
+        accel.save_model(accel.RunContext.single(), plain, folder / "plain")
+        ours, theirs = (
+            folder / "engine" / "model.safetensors",
+            folder / "plain" / "model.safetensors",
+        )
+        assert ours.read_bytes() == theirs.read_bytes()
+        fresh = _model().to(plain[0].weight.dtype)
+        accel.load_checkpoint_in_model(fresh, folder / "engine")
+        for a, b in zip(fresh.state_dict().values(), full.values(), strict=True):
+            assert torch.equal(a, b)
+    accel.wait_for_everyone(ctx)
+
+
+def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
     _launcher_env(ctx)
     ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
     out: dict[str, Any] = {}
@@ -134,11 +161,13 @@ def _world(ctx: accel.RunContext) -> dict[str, Any]:
         assert accel.unwrap_model(engine) is model
         out[name] = _train(c, engine, optimizer)
         out[f"{name}-steps"] = engine.global_steps
+        if stage == 3:
+            _check_save_model(c, engine, Path(tmp) / name)
     return out
 
 
-def test_zero_stages_match_ddp() -> None:
-    results = run_world(_world, world_size=2, timeout=600)
+def test_zero_stages_match_ddp_and_save_model_gathers_zero3(tmp_path: Path) -> None:
+    results = run_world(_world, world_size=2, timeout=600, args=(str(tmp_path),))
     assert results[0] == results[1]  # the reduced losses agree across ranks
     r = results[0]
     for name, _, _, precision in CASES:
