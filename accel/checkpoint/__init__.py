@@ -117,7 +117,7 @@ def save_model(
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     engine = deepspeed_engine(model)
-    state: Mapping[str, Any]
+    state: dict[str, Any]
     if engine is not None:  # whole weights on every rank (ZeRO-3 gathers them), rank 0 writes
         from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
 
