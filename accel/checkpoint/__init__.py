@@ -116,14 +116,8 @@ def save_model(
     directory = _atomic.as_folder(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
-    engine = deepspeed_engine(model)
-    state: dict[str, Any]
-    if engine is not None:  # whole weights on every rank (ZeRO-3 gathers them), rank 0 writes
-        from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
-
-        state = engine_state(engine)
-    else:
-        state = inner.state_dict()
+    engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
+    state = inner.state_dict() if engine is None else _engine_state(engine)
     if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
         tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
         publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
@@ -143,6 +137,12 @@ def save_model(
             write_model_files(Path(directory), state, max_bytes)
 
     every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
+
+
+def _engine_state(engine: Any) -> dict[str, Any]:
+    from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
+
+    return engine_state(engine)
 
 
 def _check_model(fn: str, model: object) -> None:
