@@ -279,7 +279,7 @@ def save_state(
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
     """The one dict of a checkpoint's objects: `state`'s entries and the keyword arguments."""
     if state is None:
-        return objects
+        return _no_engines(fn, objects)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise TypeError(
             f"{fn}: state={state!r:.80} must be a dict of name -> object, e.g. "
@@ -291,7 +291,18 @@ def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
             f"{fn}: {both} given both in state and as keyword arguments; each name once. Put "
             "every object in the state dict."
         )
-    return {**state, **objects}
+    return _no_engines(fn, {**state, **objects})
+
+
+def _no_engines(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
+    for name, obj in objects.items():
+        if deepspeed_engine(obj) is not None:  # its sharded state is not the module's
+            raise NotImplementedError(
+                f"{fn}: {name} is a DeepSpeed engine or its optimizer, whose ZeRO-partitioned "
+                "state accel does not checkpoint yet; use engine.save_checkpoint(dir) / "
+                "engine.load_checkpoint(dir) (accel.deepspeed_engine(model) returns the engine)."
+            )
+    return objects
 
 
 def load_state(

@@ -163,6 +163,10 @@ def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
         out[f"{name}-steps"] = engine.global_steps
         if stage == 3:
             _check_save_model(c, engine, Path(tmp) / name)
+        for obj in (engine, optimizer):  # refused by name, never a silently partial state
+            with pytest.raises(NotImplementedError, match=r"save_state: model is a DeepSpeed"):
+                accel.save_state(c, Path(tmp) / "state", model=obj)
+        assert not (Path(tmp) / "state").exists()
     return out
 
 
