@@ -138,3 +138,22 @@ def test_wrap_model_refuses_half_a_deepspeed_request() -> None:
     with pytest.raises(ValueError, match=r"config=None\) takes the launcher's DeepSpeed config"):
         accel.wrap_model(ctx, model, strategy="deepspeed", deepspeed=accel.DeepSpeedOptions())
     assert accel.deepspeed_engine(torch.optim.SGD(model.parameters())) is None
+
+
+@pytest.mark.slow
+def test_a_lock_left_by_a_killed_op_build_is_named_not_waited_on(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    stale = tmp_path / "deepspeed_shm_comm" / "lock"  # what torch's FileBaton leaves
+    stale.parent.mkdir()
+    stale.touch()
+    run = subprocess.run(
+        [sys.executable, "-c", "import accel; accel.build_deepspeed_ops()"],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert f"{stale} is left from a killed build" in run.stderr, run.stderr[-2000:]
+    assert stale.exists()  # named, not removed, without remove_stale_lock=True

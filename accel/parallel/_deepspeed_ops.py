@@ -43,7 +43,7 @@ def build_ops(*, remove_stale_lock: bool) -> float:
             if stale.exists():
                 if not remove_stale_lock:
                     raise RuntimeError(
-                        f"wrap_model: {stale} is left from a killed DeepSpeed op build, and "
+                        f"DeepSpeed op build: {stale} is left from a killed build, and "
                         "every build would wait on it forever. Remove it (rm "
                         f"{stale}, or make deepspeed-ops), then run again."
                     )
