@@ -327,6 +327,10 @@ def _add_others(commands: Any) -> None:
     merge.add_argument("dst", help="the folder to write the safetensors files into")
     _add_flag(merge, "model", default=None, help="the name the model was saved under")
     _add_flag(merge, "max_shard_size", default="5GB", help="most bytes per file (default 5GB)")
+    _add_flag(
+        merge, "trust_pickle", action="store_true",
+        help="read a DeepSpeed ZeRO checkpoint (torch.save pickles: only one you trust)",
+    )  # fmt: skip
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:

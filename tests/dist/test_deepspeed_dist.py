@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -163,11 +165,34 @@ def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
         out[f"{name}-steps"] = engine.global_steps
         if stage == 3:
             _check_save_model(c, engine, Path(tmp) / name)
+            engine.save_checkpoint(str(Path(tmp) / name / "zero"))  # for merge-weights
         for obj in (engine, optimizer):  # refused by name, never a silently partial state
             with pytest.raises(NotImplementedError, match=r"save_state: model is a DeepSpeed"):
                 accel.save_state(c, Path(tmp) / "state", model=obj)
         assert not (Path(tmp) / "state").exists()
     return out
+
+
+def _check_merge_weights(folder: Path) -> None:
+    """`accel merge-weights` of a ZeRO checkpoint == save_model of the engine (fp32: the
+    master weights are the module's). Run as the command: importing deepspeed writes
+    os.environ, which this test process must not have changed."""
+    from safetensors.torch import load_file
+
+    def merge(*flags: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "accel", "merge-weights", *flags, "zero", "merged"]
+        return subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=120)
+
+    refused = merge()
+    assert refused.returncode != 0 and "torch.save pickles" in refused.stderr, refused.stderr
+    assert not (folder / "merged").exists()
+    done = merge("--trust_pickle")
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = load_file(folder / "merged" / "model.safetensors")
+    saved = load_file(folder / "engine" / "model.safetensors")
+    assert merged.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(merged[key], value), key
 
 
 def test_zero_stages_match_ddp_and_save_model_gathers_zero3(tmp_path: Path) -> None:
@@ -180,6 +205,9 @@ def test_zero_stages_match_ddp_and_save_model_gathers_zero3(tmp_path: Path) -> N
         assert len(got) == STEPS * ACCUM
         assert r[f"{name}-steps"] == STEPS  # the engine stepped once per window
         torch.testing.assert_close(got, ref, rtol=RTOL[precision], atol=0, msg=name)
+    for name, _, _, precision in CASES:  # merge-weights of the engine's own ZeRO checkpoint
+        if name.startswith("zero3") and precision == "fp32":
+            _check_merge_weights(tmp_path / name)
     # training moved the losses: after the first window they are not the untrained model's
     moved = torch.tensor(r["ddp-fp32"][ACCUM:]) - torch.tensor(r["untrained"][ACCUM:])
     assert moved.abs().min() > 1e-3
