@@ -110,8 +110,8 @@ def merge_weights(
 
 
 def _is_zero_checkpoint(src: Path) -> bool:
-    """A folder DeepSpeed's save_checkpoint wrote: a `latest` tag file, or a tag's model states."""
-    return src.is_dir() and ((src / "latest").is_file() or any(src.glob("*/*model_states.pt")))
+    """A folder DeepSpeed's save_checkpoint wrote: `<tag>/*mp_rank_00_model_states.pt`."""
+    return src.is_dir() and any(src.glob("*/*mp_rank_00_model_states.pt"))
 
 
 def _merge_zero(src: Path, dst: Path, max_bytes: int, *, trust_pickle: bool) -> list[str]:
