@@ -117,6 +117,7 @@ def test_fp16_and_a_missing_micro_batch_size_are_refused() -> None:
     assert read_config({"zero_stage": 3, "zero3_init_flag": True})[1] is True
 
 
+@pytest.mark.slow  # about 2 s: the first wrap_model call imports FSDP
 def test_wrap_model_refuses_half_a_deepspeed_request() -> None:
     ctx = RunContext.single()
     model = nn.Linear(2, 2)
