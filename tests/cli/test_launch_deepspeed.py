@@ -106,6 +106,13 @@ def test_deepspeed_flags_build_the_section_and_bad_keys_are_refused(tmp_path: Pa
     }  # fmt: skip
     env = worker_environment(config)
     assert json.loads(env["ACCEL_DEEPSPEED_CONFIG"])["zero_stage"] == "3"
+    from accel.cli._accelerate_env import accelerate_environment
+
+    exported = accelerate_environment(config)[0]  # what Accelerate's launcher exports
+    assert exported["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert exported["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert exported["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"
+    assert exported["ACCELERATE_GRADIENT_CLIPPING"] == "0.5"
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stag: 2\n")
     run = subprocess.run(
