@@ -1,14 +1,15 @@
 """The DeepSpeed training step through accel's calls against the same engine driven by hand.
 
-At 2 CPU ranks (gloo), for ZeRO-2 and ZeRO-3: two engines of one model, each built by
+At 2 CPU ranks (gloo), for ZeRO-2 and ZeRO-3 (a world each): two engines of one model, each built by
 `accel.wrap_model(strategy="deepspeed")` (the same config reaches `deepspeed.initialize` both
 ways, so the engines are identical). One is stepped with accel's calls (`accumulate`,
 `scaled_backward`, `clip_grad_norm_`, `optimizer_step`, `optimizer.zero_grad()`), the other by
 hand as DeepSpeed's docs write it (`set_gradient_accumulation_boundary`, `loss.backward()`,
 `engine.step()`). Rounds alternate which goes first; the table reports accel's best round time
 over the hand best, and the median over rounds of the ratio of the two times of a round.
-Accelerate's DeepSpeed path is not measured here yet (TODO: it needs Accelerate's launcher
-variables, ACCELERATE_USE_DEEPSPEED and the plugin's, and `cpu=False`; not tried on this CPU).
+A third engine, of the same model and config, is prepared by Accelerate (`DeepSpeedPlugin`,
+`accelerator.accumulate`, `accelerator.backward`, `optimizer.step()`); its column is
+Accelerate's best round over the hand best.
 
     python benchmarks/deepspeed_step.py            # 20 rounds
     python benchmarks/deepspeed_step.py --quick    # 5 rounds
@@ -71,7 +72,34 @@ def _hand_steps(engine: Any, data: Any) -> None:
             engine.step()
 
 
-def _world(ctx: accel.RunContext, rounds: int) -> dict[str, tuple[float, float]]:
+def _accelerate_engine(stage: int) -> tuple[Any, Any, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch` exports
+    plugin = DeepSpeedPlugin(
+        zero_stage=stage, gradient_clipping=1.0, gradient_accumulation_steps=ACCUM
+    )
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = MICRO
+    plugin.deepspeed_config["train_batch_size"] = MICRO * ACCUM * 2
+    acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=ACCUM)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _accelerate_steps(acc: Any, model: Any, opt: Any, data: Any) -> None:
+    for x, y in data:
+        with acc.accumulate(model):
+            loss = F.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+
+def _world(ctx: accel.RunContext, rounds: int, stage: int) -> tuple[float, float, float]:
+    """One stage per world: Accelerate allows one Accelerator (plugin) per process."""
     for key, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank)):
         os.environ[key] = str(value)  # what torchrun exports and DeepSpeed reads
     os.environ["WORLD_SIZE"] = str(ctx.world_size)
@@ -80,29 +108,28 @@ def _world(ctx: accel.RunContext, rounds: int) -> dict[str, tuple[float, float]]
     g = torch.Generator().manual_seed(ctx.rank)
     data = [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, 1, generator=g))
             for _ in range(STEPS * ACCUM)]  # fmt: skip
-    out = {}
-    for stage in (2, 3):
-        ours, opt = _engine(ctx, stage)
-        theirs, _ = _engine(ctx, stage)
-        _accel_steps(ctx, ours, opt, data)  # warm-up
-        _hand_steps(theirs, data)
-        times: dict[str, list[float]] = {"accel": [], "hand": []}
-        for r in range(rounds):
-            order = ("accel", "hand") if r % 2 == 0 else ("hand", "accel")
-            for who in order:
-                accel.wait_for_everyone(ctx)
-                start = time.perf_counter()
-                if who == "accel":
-                    _accel_steps(ctx, ours, opt, data)
-                else:
-                    _hand_steps(theirs, data)
-                times[who].append(time.perf_counter() - start)
-        best = min(times["accel"]) / min(times["hand"])
-        median = statistics.median(
-            a / h for a, h in zip(times["accel"], times["hand"], strict=True)
-        )
-        out[f"ZeRO-{stage}"] = (best, median)
-    return out
+    ours, opt = _engine(ctx, stage)
+    theirs, _ = _engine(ctx, stage)
+    hf = _accelerate_engine(stage)
+    runs = {
+        "accel": lambda: _accel_steps(ctx, ours, opt, data),
+        "hand": lambda: _hand_steps(theirs, data),
+        "accelerate": lambda: _accelerate_steps(*hf, data),
+    }
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for who in order:
+            accel.wait_for_everyone(ctx)
+            start = time.perf_counter()
+            runs[who]()
+            times[who].append(time.perf_counter() - start)
+    best = min(times["accel"]) / min(times["hand"])
+    median = statistics.median(a / h for a, h in zip(times["accel"], times["hand"], strict=True))
+    hf_best = min(times["accelerate"]) / min(times["hand"])
+    return best, median, hf_best
 
 
 def _fields(ctx: accel.RunContext) -> dict[str, Any]:
@@ -115,12 +142,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 rounds instead of 20")
     args = parser.parse_args()
     rounds = 5 if args.quick else 20
-    result = run_world(_world, world_size=2, timeout=1800, args=(rounds,))[0]
+    result = {
+        f"ZeRO-{stage}": run_world(_world, world_size=2, timeout=1800, args=(rounds, stage))[0]
+        for stage in (2, 3)
+    }
     print(f"{rounds} rounds of {STEPS} optimizer steps (accumulation {ACCUM}), 2 gloo ranks")
-    print("| engine | best accel / best hand | median of round ratios |")
-    print("|---|---|---|")
-    for name, (best, median) in result.items():
-        print(f"| {name} | {best:.3f}x | {median:.3f}x |")
+    print("| engine | best accel / best hand | median of ratios | best Accelerate / best hand |")
+    print("|---|---|---|---|")
+    for name, (best, median, hf_best) in result.items():
+        print(f"| {name} | {best:.3f}x | {median:.3f}x | {hf_best:.3f}x |")
 
 
 if __name__ == "__main__":
