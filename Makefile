@@ -5,14 +5,21 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST ?= $(PY) -m pytest
 
-.PHONY: demo test test-fast lint typecheck bench clean gpu-check
+.PHONY: demo test test-fast lint typecheck bench clean gpu-check deepspeed-ops
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# The distribution was named `accel` before it became `accel-train`: drop an old install.
 	$(PY) -m pip uninstall --quiet --yes accel 2>/dev/null || true
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(MAKE) --no-print-directory deepspeed-ops
 	touch $(STAMP)
+
+# DeepSpeed compiles a C++ op the first time an engine starts on a CPU (minutes on 2 cores);
+# build it once here, into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so no test
+# pays it. One build at a time (a file lock); a lock left by a killed build is removed.
+deepspeed-ops:
+	$(PY) -c "import accel; print(f'DeepSpeed ops ready ({accel.build_deepspeed_ops(remove_stale_lock=True):.0f} s)')"
 
 demo: $(STAMP)
 	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo

@@ -83,6 +83,11 @@ from accel.parallel import (
     unwrap_model,
     wrap_model,
 )
+from accel.parallel.deepspeed import (
+    DeepSpeedOptions,
+    build_deepspeed_ops,
+    deepspeed_engine,
+)
 from accel.precision import (
     autocast,
     clip_grad_norm_,
@@ -136,6 +141,7 @@ __all__ = [
     "CheckpointHandle",
     "Config",
     "DDPOptions",
+    "DeepSpeedOptions",
     "FSDPOptions",
     "Float8Options",
     "JSONLTracker",
@@ -161,11 +167,13 @@ __all__ = [
     "average_parameters",
     "broadcast",
     "broadcast_object",
+    "build_deepspeed_ops",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
     "compute_module_sizes",
     "cpu_offload",
+    "deepspeed_engine",
     "default_config_path",
     "describe_device_map",
     "disk_offload",

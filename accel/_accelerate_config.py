@@ -104,6 +104,19 @@ DYNAMO_KEYS = (
 )  # fmt: skip
 
 
+# Accelerate's `deepspeed_config` keys (its YAML section, its DeepSpeedPlugin fields); wrap_model
+# (accel.parallel's DeepSpeed config reader) honours each or refuses it by name.
+DEEPSPEED_KEYS = (
+    "zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_clipping",
+    "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_config_file",
+    "gradient_accumulation_steps", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
+    "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names",
+)  # fmt: skip
+# The section's keys `accel launch` takes as flags (gradient_accumulation_steps is its own).
+DEEPSPEED_FLAG_KEYS = tuple(k for k in DEEPSPEED_KEYS if k != "gradient_accumulation_steps")
+
+
 def _known(section: str, pairs: Pairs, keys: tuple[str, ...]) -> dict[str, Any]:
     values = dict(pairs)
     for key in values:
@@ -139,6 +152,17 @@ def fsdp_options(distributed_type: str, pairs: Pairs) -> FSDPOptions | None:
         listed = names if isinstance(names, (list, tuple)) else str(names).split(",")
         options["layer_classes"] = tuple(n.strip() for n in listed if str(n).strip())
     return FSDPOptions(**options)
+
+
+def deepspeed_section(distributed_type: str, pairs: Pairs) -> Pairs | None:
+    """The `deepspeed_config` section `wrap_model` builds the engine from (None: no DeepSpeed)."""
+    values = _known("deepspeed_config", pairs, DEEPSPEED_KEYS)
+    if values and distributed_type != "DEEPSPEED":
+        raise ValueError(
+            f"config: deepspeed_config is given but distributed_type={distributed_type!r}; set "
+            "distributed_type: DEEPSPEED (or --use_deepspeed), or remove deepspeed_config."
+        )
+    return tuple(sorted(values.items())) if distributed_type == "DEEPSPEED" else None
 
 
 def activation_checkpointing(pairs: Pairs) -> bool:

@@ -23,6 +23,7 @@ ENV_COMPILE = "ACCEL_COMPILE"
 ENV_ACTIVATION_CHECKPOINTING = "ACCEL_ACTIVATION_CHECKPOINTING"
 ENV_FSDP_PREFIX = "ACCEL_FSDP_"
 ENV_LOG_WITH = "ACCEL_LOG_WITH"
+ENV_DEEPSPEED = "ACCEL_DEEPSPEED_CONFIG"  # Accelerate's deepspeed_config section, as JSON
 # Trackers accel builds by name without a registry (accel.tracking.BUILTIN_TRACKERS).
 BUILTIN_TRACKER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 ENV_MESH = MappingProxyType(
@@ -37,10 +38,9 @@ ENV_MESH = MappingProxyType(
 
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
-DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
 UNSUPPORTED_TYPES = MappingProxyType(
     {
-        "DEEPSPEED": "accel does not wrap DeepSpeed; use FSDP (wrap_model(strategy='fsdp2'))",
         "MEGATRON_LM": "accel does not wrap Megatron-LM",
         "XLA": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
         "TPU": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
@@ -231,12 +231,32 @@ def env_settings(
             )
         source = f"env {ENV_ACTIVATION_CHECKPOINTING}"
         found["activation_checkpointing"] = (text.lower() == "true", source)
+    if ENV_DEEPSPEED in environ:
+        found["deepspeed"] = (
+            _deepspeed_from_env(fn, environ[ENV_DEEPSPEED]),
+            f"env {ENV_DEEPSPEED}",
+        )
     if ENV_LOG_WITH in environ:
         found["log_with"] = (
             parse_log_with(ENV_LOG_WITH, environ[ENV_LOG_WITH]),
             f"env {ENV_LOG_WITH}",
         )
     return found
+
+
+def _deepspeed_from_env(fn: str, text: str) -> Section:
+    import json  # on use: only a DeepSpeed launch carries this variable
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{fn}: {ENV_DEEPSPEED}={text!r} must be a JSON object of Accelerate's "
+            "deepspeed_config keys (accel launch writes it); unset it."
+        )
+    return tuple(sorted(value.items()))
 
 
 def _fsdp_from_env(fn: str, environ: Mapping[str, str], names: list[str]) -> FSDPOptions:

@@ -15,6 +15,7 @@ from torch import nn
 
 from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext, along
+from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
@@ -58,8 +59,10 @@ def accumulate(
     On micro-steps that do not end a window of `ctx.grad_accum_steps` (and are not the last batch
     of the data, `is_last`), gradients stay local: DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync(False)`. On the boundary they are all-reduced once; step the
-    optimizer when `sync` is True. Put both forward and backward inside the block. With
-    `world_size == 1`, or a model that is neither DDP nor FSDP2, nothing is skipped.
+    optimizer when `sync` is True. A DeepSpeed engine is told whether this micro-step is a
+    boundary (`set_gradient_accumulation_boundary`), and reduces and steps on its own terms.
+    Put both forward and backward inside the block. With `world_size == 1`, or a model that is
+    neither DDP nor FSDP2, nothing is skipped.
 
     Args:
         ctx: the run context; `ctx.grad_accum_steps` is the window length.
@@ -90,6 +93,11 @@ def accumulate(
     [False, True, False, True]
     """
     sync = should_sync(step, ctx.grad_accum_steps, is_last=is_last)
+    engine = deepspeed_engine(model)
+    if engine is not None:  # the engine reduces and steps on the boundaries it is told
+        engine.set_gradient_accumulation_boundary(sync)
+        yield sync
+        return
     if sync or ctx.world_size == 1:
         yield sync
         return

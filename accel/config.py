@@ -20,6 +20,7 @@ reads them once and records each value's source in `RunContext.sources`:
 | `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
 | `ACCEL_ACTIVATION_CHECKPOINTING` | `activation_checkpointing` | true, false |
 | `ACCEL_LOG_WITH`         | `log_with`         | wandb,mlflow (names)   |
+| `ACCEL_DEEPSPEED_CONFIG` | `deepspeed`        | JSON: `{"zero_stage": 2}` |
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ _IGNORED_KEYS = frozenset(
         "compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
         "main_training_function", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "tpu_name",
         "tpu_zone", "commands", "command_file", "ipex_config", "mpirun_config",
-        "megatron_lm_config", "deepspeed_config", "use_mps_device", "same_network",
+        "megatron_lm_config", "use_mps_device", "same_network",
     }
 )  # fmt: skip
 
@@ -108,6 +109,8 @@ class Config:
     """Accelerate's `dynamo_config` keys (`dynamo_backend`, ...), as pairs."""
     fp8_config: Section = ()
     """Accelerate's `fp8_config` keys (`backend: AO`, ...), as pairs: checked, none carried."""
+    deepspeed_config: Section = ()
+    """Accelerate's `deepspeed_config` keys (`zero_stage`, ...), as pairs (DEEPSPEED runs)."""
     log_with: tuple[str, ...] = ()
     """Trackers `init_trackers(ctx, None, ...)` builds (Accelerate's `log_with`), by name."""
 
@@ -133,6 +136,7 @@ _PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
         "parallelism_config": parse_section,
         "dynamo_config": parse_section,
         "fp8_config": parse_section,
+        "deepspeed_config": parse_section,
         "log_with": parse_log_with,
     }
 )
@@ -179,6 +183,7 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
             f"{origin}: machine_rank={config.machine_rank} must be below "
             f"num_machines={config.num_machines}."
         )
+    _deepspeed_settings(config)  # validate the section here, not in every worker
     sizes = _parallel_settings(config)[0]  # validate the sections here, not in every worker
     _accelerate_config.check_fp8_config(config.mixed_precision, config.fp8_config)
     if sizes is not None:
@@ -194,6 +199,26 @@ def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any, bo
         _accelerate_config.compile_mode(config.dynamo_config),
         _accelerate_config.activation_checkpointing(config.fsdp_config),
     )
+
+
+def _deepspeed_settings(config: Config) -> tuple[Section | None, int]:
+    """(the deepspeed_config section of a DEEPSPEED run or None, the accumulation steps).
+
+    As in Accelerate, the section's gradient_accumulation_steps is the run's when the top-level
+    key is left at 1; two different values are refused.
+    """
+    section = _accelerate_config.deepspeed_section(config.distributed_type, config.deepspeed_config)
+    steps = config.gradient_accumulation_steps
+    inner = dict(section or ()).get("gradient_accumulation_steps", "auto")
+    if inner != "auto":
+        inner = parse_int(1)("deepspeed_config.gradient_accumulation_steps", inner)
+        if steps not in (1, inner):
+            raise ValueError(
+                f"config: gradient_accumulation_steps={steps} but deepspeed_config has "
+                f"gradient_accumulation_steps={inner}; set one of them (or make them equal)."
+            )
+        steps = inner
+    return section, steps
 
 
 def default_config_path() -> Path:
@@ -226,7 +251,13 @@ def as_mapping(config: Config) -> dict[str, Any]:
         {'fsdp_version': 2}
     """
     out: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(config)}
-    for name in ("fsdp_config", "parallelism_config", "dynamo_config", "fp8_config"):
+    for name in (
+        "fsdp_config",
+        "parallelism_config",
+        "dynamo_config",
+        "fp8_config",
+        "deepspeed_config",
+    ):
         out[name] = dict(out[name])
     out["log_with"] = list(config.log_with)
     return out
@@ -324,10 +355,13 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     """Return the RunContext settings a `Config` carries, each labelled with `source`."""
+    deepspeed, steps = _deepspeed_settings(config)
     found: dict[str, tuple[Any, str]] = {
         "precision": (config.mixed_precision, source),
-        "grad_accum_steps": (config.gradient_accumulation_steps, source),
+        "grad_accum_steps": (steps, source),
     }
+    if deepspeed is not None:
+        found["deepspeed"] = (deepspeed, source)
     if config.seed is not None:
         found["seed"] = (config.seed, source)
     sizes, fsdp, compile, checkpointing = _parallel_settings(config)

@@ -124,6 +124,9 @@ class RunContext:
     activation_checkpointing: bool = False
     """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
     `wrap_model` uses it when given none."""
+    deepspeed: tuple[tuple[str, Any], ...] | None = None
+    """Accelerate's `deepspeed_config` section a launcher config asked for (distributed_type
+    DEEPSPEED), as sorted pairs; `wrap_model(strategy="auto")` builds a DeepSpeed engine from it."""
     log_with: tuple[str, ...] = ()
     """Tracker names a launcher config asked for (Accelerate's `log_with`); `init_trackers`
     builds them when given names=None."""

@@ -154,6 +154,7 @@ def init_distributed(
         compile=settings.get("compile", (False, ""))[0],
         activation_checkpointing=settings.get("activation_checkpointing", (False, ""))[0],
         log_with=settings.get("log_with", ((), ""))[0],
+        deepspeed=settings.get("deepspeed", (None, ""))[0],
         sources=sources,
     )
     if "parallelism" not in settings:

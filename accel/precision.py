@@ -20,6 +20,7 @@ from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext, along
 from accel.parallel import check_optimizer
+from accel.parallel.deepspeed import deepspeed_engine
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
@@ -204,7 +205,9 @@ def optimizer_step(
 
     With a scaler, a step whose gradients hold inf or nan is skipped: parameters and optimizer
     state stay as they were, the scale is lowered, and this returns False. Call `zero_grad()`
-    and `scheduler.step()` yourself as usual.
+    and `scheduler.step()` yourself as usual. For the optimizer of a DeepSpeed engine
+    (`DeepSpeedOptions.optimizer`, or the engine's) this is the engine's `step()`: it clips by
+    its config, steps and zeroes the gradients.
 
     Args:
         ctx: the run context.
@@ -230,6 +233,9 @@ def optimizer_step(
     >>> optimizer_step(RunContext.single(), opt), w.item()
     (True, 0.0)
     """
+    engine = deepspeed_engine(optimizer)
+    if engine is not None:
+        return _engine_step(engine, scaler)
     check_optimizer(optimizer)
     if scaler is None:
         optimizer.step()
@@ -240,6 +246,31 @@ def optimizer_step(
     scaler.update()
     # update() multiplies the scale by backoff_factor (< 1) exactly when inf/nan was found.
     return not scaler.get_scale() < before
+
+
+def _engine_step(engine: Any, scaler: GradScaler | None) -> bool:
+    """DeepSpeed: the engine's step (clip by its config, step, zero the gradients)."""
+    if scaler is not None:
+        raise ValueError(
+            "optimizer_step: scaler= was given for a DeepSpeed engine, which scales the loss "
+            "itself; drop scaler= (make_scaler returns None outside fp16)."
+        )
+    skipped = engine.skipped_steps
+    engine.step()
+    return bool(engine.skipped_steps == skipped)
+
+
+def _engine_clip(engine: Any, max_norm: float, norm_type: float) -> torch.Tensor:
+    """DeepSpeed clips inside its step, by its config; check that it is this clipping."""
+    configured = float(engine.gradient_clipping() or 0.0)
+    if norm_type != 2.0 or configured != float(max_norm):
+        raise ValueError(
+            f"clip_grad_norm_: max_norm={max_norm!r}, norm_type={norm_type!r} on a DeepSpeed "
+            f"engine whose config clips to gradient_clipping={configured!r} (2-norm) inside "
+            "its step; set gradient_clipping to max_norm in the DeepSpeed config (or drop the "
+            "call and keep the config's)."
+        )
+    return torch.full((), float("nan"))
 
 
 def _with_grads(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -262,7 +293,10 @@ def clip_grad_norm_(
     following `optimizer_step` does not unscale again). Under DDP gradients are already
     averaged; under FSDP2, tensor parallelism and their mixes (parameters on several meshes)
     the norm is computed over all shards, so every rank gets the global norm. Call it on sync
-    steps only (inside `accumulate`, when `sync` is True).
+    steps only (inside `accumulate`, when `sync` is True). A DeepSpeed engine clips inside
+    `optimizer_step` by its config's `gradient_clipping`, which must equal `max_norm`; the
+    norm is not known before that step, so NaN is returned (read it afterwards from
+    `deepspeed_engine(model).get_global_grad_norm()`).
 
     Args:
         ctx: the run context; with no gradients at all, the zero norm is put on `ctx.device`.
@@ -289,6 +323,9 @@ def clip_grad_norm_(
     >>> clip_grad_norm_(RunContext.single(), [w], 1.0).item(), w.grad.norm().item() < 1.0
     (5.0, True)
     """
+    engine = deepspeed_engine(model)
+    if engine is not None:
+        return _engine_clip(engine, max_norm, norm_type)
     _unscale_before_clip(ctx, "clip_grad_norm_", optimizer, scaler)
     params = _with_grads(model)
     if ctx.pp_size > 1:  # every stage's norm is a part of the whole model's
@@ -380,6 +417,11 @@ def clip_grad_value_(
     >>> w.grad
     tensor([ 1.0000, -0.5000])
     """
+    if deepspeed_engine(model) is not None:
+        raise NotImplementedError(
+            "clip_grad_value_: a DeepSpeed engine clips only by the global norm of its config "
+            "(gradient_clipping); use clip_grad_norm_(ctx, model, max_norm) with that value."
+        )
     _unscale_before_clip(ctx, "clip_grad_value_", optimizer, scaler)
     params = model.parameters() if isinstance(model, nn.Module) else model
     torch.nn.utils.clip_grad_value_(list(params), clip_value)

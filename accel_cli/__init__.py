@@ -61,6 +61,13 @@ SECTION_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_override_linear_precision",
         "fp8_opt_level", "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim",
     )),
+    ("deepspeed_config", (
+        "zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_clipping",
+        "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_config_file",
+        "offload_optimizer_nvme_path", "offload_param_nvme_path", "deepspeed_multinode_launcher",
+        "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+        "deepspeed_moe_layer_cls_names",
+    )),
 )  # fmt: skip
 
 # `accel launch --help` groups its flags as `accelerate launch --help` does (same titles).
@@ -73,13 +80,15 @@ _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       *SECTION_FLAGS[2][1])),
     ("Training Paradigm Arguments",
      "Arguments for selecting which training paradigm to be used. `accel launch --use_fsdp "
-     "--help` also lists the FSDP arguments.",
-     ("use_fsdp", "use_parallelism_config")),
+     "--help` also lists the FSDP arguments, `--use_deepspeed --help` the DeepSpeed ones.",
+     ("use_deepspeed", "use_fsdp", "use_parallelism_config")),
     ("Distributed GPUs", "Arguments related to distributed training (GPUs or CPUs).",
      ("gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "tee", "log_dir",
       "rdzv_backend", "max_restarts", "monitor_interval")),
     ("FSDP Arguments", "Arguments related to Fully Sharded Data Parallelism (FSDP2).",
      SECTION_FLAGS[0][1]),
+    ("DeepSpeed Arguments", "Arguments related to DeepSpeed (wrap_model's DeepSpeed engine).",
+     SECTION_FLAGS[3][1]),
     ("ParallelismConfig Arguments",
      "Arguments related to the ParallelismConfig used for distributed training.",
      (*SECTION_FLAGS[1][1], "tp_size")),
@@ -94,12 +103,13 @@ _FLAG_HELP = {
     "use_cpu": "run on the CPU even when GPUs are present",
     "multi_gpu": "distributed on GPUs",
     "use_fsdp": "shard with FSDP2",
+    "use_deepspeed": "train through a DeepSpeed ZeRO engine (wrap_model, strategy 'auto')",
     "use_parallelism_config": "accepted for Accelerate; parallelism_config_* flags set the mesh",
     "tp_size": "tensor-parallel size",
     "log_dir": "write each worker's output under this folder",
     "tee": "also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
 }
-_SWITCHES = ("cpu", "use_cpu", "multi_gpu", "use_fsdp", "use_parallelism_config")
+_SWITCHES = ("cpu", "use_cpu", "multi_gpu", "use_fsdp", "use_deepspeed", "use_parallelism_config")
 _EXAMPLES = {"int": "2", "float": "0.5"}
 _METAVARS = {int: "N", float: "SECONDS"}
 _TYPE_NAMES = {"int": "a whole number", "float": "a number"}
@@ -245,9 +255,13 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
     )  # fmt: skip
     parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
     show_fsdp = any(a in ("--use_fsdp", "--use-fsdp") for a in argv)
+    show_deepspeed = any(a in ("--use_deepspeed", "--use-deepspeed") for a in argv)
     for title, description, names in _GROUPS:
-        # As `accelerate launch --help`: the FSDP flags are listed once --use_fsdp is given.
-        shown = title != "FSDP Arguments" or show_fsdp
+        # As `accelerate launch --help`: the FSDP (DeepSpeed) flags are listed once --use_fsdp
+        # (--use_deepspeed) is given.
+        shown = {"FSDP Arguments": show_fsdp, "DeepSpeed Arguments": show_deepspeed}.get(
+            title, True
+        )
         group = parser.add_argument_group(title, description) if shown else parser
         for name in names:
             options = _launch_flag(name)
@@ -321,6 +335,10 @@ def _add_others(commands: Any) -> None:
     merge.add_argument("dst", help="the folder to write the safetensors files into")
     _add_flag(merge, "model", default=None, help="the name the model was saved under")
     _add_flag(merge, "max_shard_size", default="5GB", help="most bytes per file (default 5GB)")
+    _add_flag(
+        merge, "trust_pickle", action="store_true",
+        help="read a DeepSpeed ZeRO checkpoint (torch.save pickles: only one you trust)",
+    )  # fmt: skip
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:

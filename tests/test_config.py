@@ -53,7 +53,22 @@ def test_precision_spellings(tmp_path: Path, raw: str, expected: str) -> None:
         ({"mixed_precision": "fp4"}, ValueError, r"mixed_precision='fp4' is not a precision"),
         ({"rdzv_backend": "etcd"}, ValueError, r"rdzv_backend='etcd' is not allowed"),
         ({"use_cpu": "yes"}, ValueError, r"use_cpu='yes' must be true or false"),
-        ({"distributed_type": "DEEPSPEED"}, NotImplementedError, r"does not wrap DeepSpeed"),
+        ({"distributed_type": "MEGATRON_LM"}, NotImplementedError, r"does not wrap Megatron"),
+        ({"deepspeed_config": {"zero_stage": 2}}, ValueError, r"distributed_type='NO'; set"),
+        (
+            {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stag": 2}},
+            ValueError,
+            r"deepspeed_config has unknown key 'zero_stag'",
+        ),
+        (
+            {
+                "distributed_type": "DEEPSPEED",
+                "gradient_accumulation_steps": 4,
+                "deepspeed_config": {"gradient_accumulation_steps": 2},
+            },
+            ValueError,
+            r"gradient_accumulation_steps=4 but deepspeed_config has gradient_accumulation_steps=2",
+        ),
         ({"machine_rank": 2, "num_machines": 2}, ValueError, r"machine_rank=2 must be below"),
     ],
 )

@@ -36,8 +36,8 @@ def test_compiled_model_unwraps_and_cannot_be_wrapped_again() -> None:
 
 def test_wrap_model_bad_input_names_the_argument() -> None:
     ctx = RunContext.single()
-    with pytest.raises(ValueError, match=r"strategy='deepspeed' is not one of"):
-        accel.wrap_model(ctx, _model(), strategy="deepspeed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"strategy='zero3' is not one of"):
+        accel.wrap_model(ctx, _model(), strategy="zero3")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"model=list is not a torch\.nn\.Module"):
         accel.wrap_model(ctx, [])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ddp options were given but strategy='none'"):

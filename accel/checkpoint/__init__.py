@@ -37,6 +37,7 @@ from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
+from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = [
     "CheckpointHandle",
@@ -115,7 +116,8 @@ def save_model(
     directory = _atomic.as_folder(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
-    state = inner.state_dict()
+    engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
+    state = inner.state_dict() if engine is None else _engine_state(engine)
     if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
         tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
         publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
@@ -135,6 +137,12 @@ def save_model(
             write_model_files(Path(directory), state, max_bytes)
 
     every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
+
+
+def _engine_state(engine: Any) -> dict[str, Any]:
+    from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
+
+    return engine_state(engine)
 
 
 def _check_model(fn: str, model: object) -> None:
@@ -271,7 +279,7 @@ def save_state(
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
     """The one dict of a checkpoint's objects: `state`'s entries and the keyword arguments."""
     if state is None:
-        return objects
+        return _no_engines(fn, objects)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise TypeError(
             f"{fn}: state={state!r:.80} must be a dict of name -> object, e.g. "
@@ -283,7 +291,18 @@ def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
             f"{fn}: {both} given both in state and as keyword arguments; each name once. Put "
             "every object in the state dict."
         )
-    return {**state, **objects}
+    return _no_engines(fn, {**state, **objects})
+
+
+def _no_engines(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
+    for name, obj in objects.items():
+        if deepspeed_engine(obj) is not None:  # its sharded state is not the module's
+            raise NotImplementedError(
+                f"{fn}: {name} is a DeepSpeed engine or its optimizer, whose ZeRO-partitioned "
+                "state accel does not checkpoint yet; use engine.save_checkpoint(dir) / "
+                "engine.load_checkpoint(dir) (accel.deepspeed_engine(model) returns the engine)."
+            )
+    return objects
 
 
 def load_state(

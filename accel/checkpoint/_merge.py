@@ -38,6 +38,7 @@ from accel.checkpoint._model_io import (
     partial_path,
     partials_removed_on_failure,
     publish_model_files,
+    write_model_files,
 )
 from accel.checkpoint._safetensors_io import header_bytes
 from accel.checkpoint._sharded_save import presize
@@ -54,6 +55,7 @@ def merge_weights(
     *,
     model: str | None = None,
     max_shard_size: int | str = "5GB",
+    trust_pickle: bool = False,
 ) -> list[str]:
     """Write the weights of model `model` in the DCP checkpoint `src` to `dst`; return the keys.
 
@@ -61,9 +63,13 @@ def merge_weights(
     `model` is the name the model was saved under; default: the only model in the checkpoint.
     Refused before anything is written: a `dst` that is, holds or lies inside the checkpoint, a
     `dst` that is a file, a checkpoint whose manifest is missing or does not list a file.
+    A DeepSpeed ZeRO checkpoint (`engine.save_checkpoint`'s folder) is consolidated to fp32 by
+    DeepSpeed's `zero_to_fp32`; its files are pickles, read only with `trust_pickle=True`.
     """
     max_bytes = parse_size(_FN, "max_shard_size", max_shard_size, minimum=1)
     source, destination = Path(src), Path(dst)
+    if _is_zero_checkpoint(source):
+        return _merge_zero(source, destination, max_bytes, trust_pickle=trust_pickle)
     folder = _dcp_folder(source)
     root, manifest = _manifest_of(source, folder)
     _check_overlap(source, root, destination)
@@ -101,6 +107,30 @@ def merge_weights(
                 folder.rmdir()
         raise
     return list(tensors)
+
+
+def _is_zero_checkpoint(src: Path) -> bool:
+    """A folder DeepSpeed's save_checkpoint wrote: `<tag>/*mp_rank_00_model_states.pt`."""
+    return src.is_dir() and any(src.glob("*/*mp_rank_00_model_states.pt"))
+
+
+def _merge_zero(src: Path, dst: Path, max_bytes: int, *, trust_pickle: bool) -> list[str]:
+    if not trust_pickle:
+        raise ValueError(
+            f"{_FN}: {str(src)!r} is a DeepSpeed ZeRO checkpoint: torch.save pickles with no "
+            "accel manifest, and reading them can run code stored in them. For a checkpoint you "
+            "wrote, pass --trust_pickle (merge_weights(..., trust_pickle=True))."
+        )
+    _check_overlap(src, src, dst)
+    try:  # on use: only a ZeRO checkpoint needs DeepSpeed
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as err:
+        raise ImportError(
+            f"{_FN}: {str(src)!r} is a DeepSpeed checkpoint; pip install 'accel-train[deepspeed]'."
+        ) from err
+    state = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    write_model_files(dst, state, max_bytes)
+    return list(state)
 
 
 def _dcp_folder(src: Path) -> Path:

@@ -47,6 +47,17 @@ def accelerate_environment(config: _config.Config) -> tuple[dict[str, str], list
             name = "FSDP_TRANSFORMER_CLS_TO_WRAP" if key.endswith("_cls_to_wrap") else key.upper()
             text = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
             env[name] = text.lower() if isinstance(value, bool) else text
+    if config.distributed_type == "DEEPSPEED":  # the variables Accelerate's launcher writes
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        for key, value in config.deepspeed_config:
+            if key == "gradient_accumulation_steps":  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+                continue
+            name = key if key.startswith("deepspeed_") else f"deepspeed_{key}"
+            name = {"deepspeed_zero3_init_flag": "deepspeed_zero3_init"}.get(name, name)
+            name = "gradient_clipping" if key == "gradient_clipping" else name
+            text = str(value)  # lower case as Accelerate writes them, paths and names as given
+            keep = key.endswith(("_file", "_path", "_names", "_hostfile"))
+            env[f"ACCELERATE_{name.upper()}"] = text if keep else text.lower()
     if config.parallelism_config:
         env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
         for key, value in config.parallelism_config:

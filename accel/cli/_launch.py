@@ -36,6 +36,8 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
     flag = functools.partial(getattr, args)  # `accel test` shares resolve_config, not the flags
     if flag("use_fsdp", None):
         merged["distributed_type"] = "FSDP"
+    elif flag("use_deepspeed", None):
+        merged["distributed_type"] = "DEEPSPEED"
     elif flag("multi_gpu", None):
         merged["distributed_type"] = "MULTI_GPU"
     if flag("cpu", None):
@@ -152,9 +154,11 @@ def _check_port_free(port: int | None) -> None:
 
 def worker_environment(config: _config.Config) -> dict[str, str]:
     """The variables that carry the settings to `init_distributed` in each worker."""
+    settings = _config.config_settings(config, "launch")
     env = {
         _env_vars.ENV_PRECISION: config.mixed_precision,
-        _env_vars.ENV_GRAD_ACCUM: str(config.gradient_accumulation_steps),
+        # a DeepSpeed section's gradient_accumulation_steps counts when the top-level key is 1
+        _env_vars.ENV_GRAD_ACCUM: str(settings["grad_accum_steps"][0]),
     }
     if config.seed is not None:
         env[_env_vars.ENV_SEED] = str(config.seed)
@@ -164,7 +168,6 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
     if config.num_cpu_threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
-    settings = _config.config_settings(config, "launch")
     if "parallelism" in settings:
         sizes = settings["parallelism"][0]
         env |= {var: str(getattr(sizes, dim)) for dim, var in _env_vars.ENV_MESH.items()}
@@ -177,6 +180,10 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
         env[_env_vars.ENV_ACTIVATION_CHECKPOINTING] = str(value).lower()
     if config.log_with:
         env[_env_vars.ENV_LOG_WITH] = ",".join(config.log_with)
+    if "deepspeed" in settings:
+        import json  # on use: only a DeepSpeed launch writes it
+
+        env[_env_vars.ENV_DEEPSPEED] = json.dumps(dict(settings["deepspeed"][0]))
     return env
 
 

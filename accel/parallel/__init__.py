@@ -21,6 +21,7 @@ from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
 from accel.parallel._plan import WrapPlan, WrapStrategy, agree_group, is_wrapped, make_plan
+from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
 
 __all__ = [
     "DDPOptions",
@@ -46,6 +47,7 @@ def wrap_model(
     compile: CompileMode | None = None,
     activation_checkpointing: bool | tuple[type[nn.Module] | str, ...] | None = None,
     fp8: Float8Options | None = None,
+    deepspeed: DeepSpeedOptions | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -82,6 +84,9 @@ def wrap_model(
         fp8: which Linear layers torchao's float8 training converts when
             `ctx.precision == "fp8"` (before tensor parallel and FSDP2); default
             `Float8Options()`: dims multiples of 16, not the output head.
+        deepspeed: with strategy="deepspeed", the DeepSpeed config and your optimizer
+            (`DeepSpeedOptions`); the returned model is the DeepSpeed engine, and
+            `accumulate`, `optimizer_step` and `clip_grad_norm_` route to it.
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -117,6 +122,10 @@ def wrap_model(
             f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
             "once (accel.unwrap_model(model) returns it)."
         )
+    if strategy == "auto" and ctx.deepspeed is not None:
+        strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
+    if strategy == "deepspeed" or (deepspeed is not None and deepspeed.config is not None):
+        return _wrap_deepspeed(ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8)
     plan = make_plan(
         ctx,
         model,
@@ -129,6 +138,32 @@ def wrap_model(
     )
     fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
     return _apply(ctx, model, plan, fp8_plan)
+
+
+def _wrap_deepspeed(
+    ctx: RunContext, model: nn.Module, strategy: str, options: Any, *others: Any
+) -> nn.Module:
+    """strategy="deepspeed": the engine is the whole wrapper; other strategies' options refused."""
+    if strategy != "deepspeed" or not isinstance(options, DeepSpeedOptions):
+        raise ValueError(
+            f"wrap_model: strategy={strategy!r} with deepspeed={options!r}; DeepSpeed needs "
+            "both: strategy='deepspeed' (or 'auto' under a DeepSpeed launch), "
+            "deepspeed=accel.DeepSpeedOptions(config=..., optimizer=...)."
+        )
+    if options.config is None and ctx.deepspeed is None:
+        raise ValueError(
+            "wrap_model: DeepSpeedOptions(config=None) takes the launcher's DeepSpeed config, "
+            "and ctx.deepspeed is None (not launched with distributed_type DEEPSPEED); pass "
+            "config={'zero_stage': 2} (or a DeepSpeed JSON), or launch with --use_deepspeed."
+        )
+    if any(o is not None for o in others):
+        raise ValueError(
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile= or fp8= "
+            "options (the DeepSpeed config says how the engine shards); drop them."
+        )
+    from accel.parallel import _deepspeed  # on use: it imports deepspeed
+
+    return _deepspeed.apply_deepspeed(ctx, model, options)
 
 
 def _apply(
@@ -188,6 +223,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
         if inner is None and isinstance(model, DistributedDataParallel):
+            inner = model.module
+        if inner is None and deepspeed_engine(model) is model:
             inner = model.module
         if not isinstance(inner, nn.Module):
             return model

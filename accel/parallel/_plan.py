@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -20,7 +20,7 @@ from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions
 
-WrapStrategy = Literal["auto", "none", "ddp", "fsdp2"]
+WrapStrategy = Literal["auto", "none", "ddp", "fsdp2", "deepspeed"]
 """What `wrap_model` applies: "auto" follows ctx.parallelism; the others force one wrapper."""
 Data = Literal["none", "ddp", "fsdp2"]
 Blocks = tuple[type[nn.Module] | str, ...]
@@ -151,7 +151,7 @@ def _choose(
     if strategy == "auto":
         data = "fsdp2" if sharded else ("ddp" if p.dp_replicate > 1 else "none")
     else:
-        data = strategy
+        data = cast(Data, strategy)  # wrap_model takes "deepspeed" before any plan
     explicit = ctx.parallelism is not None
     if explicit and data == "fsdp2" and not sharded:
         raise ValueError(

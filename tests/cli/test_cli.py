@@ -448,6 +448,9 @@ def test_launch_help_groups_flags_as_accelerate_and_lists_each_once(tmp_path: Pa
     assert "--fsdp_version" not in text  # as Accelerate: listed once --use_fsdp is given
     with_fsdp = accel_cli(tmp_path, "launch", "--use_fsdp", "--help").stdout
     assert "FSDP Arguments:" in with_fsdp and "--fsdp_version VALUE" in with_fsdp
+    assert "--zero_stage" not in text
+    with_ds = accel_cli(tmp_path, "launch", "--use_deepspeed", "--help").stdout
+    assert "DeepSpeed Arguments:" in with_ds and "--zero_stage VALUE" in with_ds
 
 
 def test_launch_flags_cover_every_accelerate_section_key() -> None:
@@ -459,4 +462,5 @@ def test_launch_flags_cover_every_accelerate_section_key() -> None:
         "parallelism_config": _accelerate_config.PARALLELISM_KEYS,
         "dynamo_config": _accelerate_config.DYNAMO_KEYS,
         "fp8_config": _accelerate_config.FP8_KEYS,
+        "deepspeed_config": _accelerate_config.DEEPSPEED_FLAG_KEYS,
     }
