@@ -147,6 +147,8 @@ init_empty_weights init_on_device infer_auto_device_map get_balanced_memory get_
 compute_module_sizes find_tied_parameters load_checkpoint_and_dispatch load_checkpoint_in_model
 dispatch_model cpu_offload cpu_offload_with_hook disk_offload remove_hook_from_module
 remove_hook_from_submodules set_module_tensor_to_device
+pipeline_parallel_rank tensor_parallel_rank data_parallel_rank data_parallel_shard_rank
+context_parallel_rank is_composable_parallelism_enabled
 """.split()  # noqa: SIM905  (a word list reads better than 100 quoted strings)
 
 

@@ -205,3 +205,19 @@ def test_a_stage_built_on_meta_loads_only_its_own_weights(tmp_path: Path) -> Non
     for name, q in stage.named_parameters():
         assert torch.equal(q, source.get_parameter(name)), name
     assert model.tok_embeddings.weight.is_meta  # other stages' units were never materialised
+
+
+def test_accelerates_rank_names_are_the_mesh_coordinates() -> None:
+    # docs/migration.md: Accelerate reads each rank name as mesh.get_local_rank(dim); a
+    # DeviceMesh lays ranks out row-major, as torch.arange(world).reshape(sizes) does.
+    sizes = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    layout = torch.arange(16).reshape(*sizes.values())
+    for rank in range(16):
+        ctx = _ctx(rank, **sizes)
+        pp, rep, shard, cp, tp = (int(i) for i in (layout == rank).nonzero()[0])
+        assert ctx.pp_rank == pp  # pipeline_parallel_rank
+        assert ctx.tp_rank == tp  # tensor_parallel_rank
+        assert along(ctx, "dp_replicate").rank == rep  # data_parallel_rank
+        assert along(ctx, "dp_shard").rank == shard  # data_parallel_shard_rank
+        assert ctx.cp_rank == cp  # context_parallel_rank
+        assert ctx.dp_rank == rep * 2 + shard
