@@ -88,7 +88,7 @@ _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("FSDP Arguments", "Arguments related to Fully Sharded Data Parallelism (FSDP2).",
      SECTION_FLAGS[0][1]),
     ("DeepSpeed Arguments", "Arguments related to DeepSpeed (wrap_model's DeepSpeed engine).",
-     SECTION_FLAGS[3][1]),
+     SECTION_FLAGS[4][1]),
     ("ParallelismConfig Arguments",
      "Arguments related to the ParallelismConfig used for distributed training.",
      (*SECTION_FLAGS[1][1], "tp_size")),

@@ -324,7 +324,9 @@ def pipeline_step(
             f"{stages.microbatches} does not divide; use a batch size that is a multiple of "
             f"{stages.microbatches}, or pipeline_stages(..., microbatches=...) dividing {size}."
         )
-    args = tuple(a.to(ctx.device) if isinstance(a, torch.Tensor) else a for a in args)
+    # Contiguous: torch 2.11's stages check an input's strides against the first microbatch's,
+    # so a view such as tokens[:, :-1] (strides of the longer row) is refused there.
+    args = tuple(a.to(ctx.device).contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     losses: list[torch.Tensor] = []
     if stages.schedule is None:
         return _run_locally(stages, args, targets.to(ctx.device))
