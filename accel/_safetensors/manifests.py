@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,16 @@ def checksum_file(path: Path) -> tuple[int, int]:
 def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
     """The manifest of a published directory; raises naming the directory or the manifest."""
     path = directory / MANIFEST
-    if directory.exists() and not directory.is_dir():
+    try:  # one stat: a folder rotated away between two checks must not read as a file
+        is_folder: bool | None = stat.S_ISDIR(directory.stat().st_mode)
+    except FileNotFoundError:
+        is_folder = None
+    if is_folder is False:
         raise NotADirectoryError(
             f"{fn}: directory={str(directory)!r} is a file, not a checkpoint folder. Pass the "
             "folder save_state wrote (or accel.latest_checkpoint(root) for numbered ones)."
         )
-    if not directory.is_dir():
+    if is_folder is None:
         raise FileNotFoundError(
             f"{fn}: directory={str(directory)!r} does not exist. If it was the latest "
             "checkpoint a moment ago, a newer save_checkpoint(keep=...) rotated it away; call "
