@@ -15,7 +15,7 @@ from torch import nn
 
 from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext, along
-from accel.parallel.deepspeed import deepspeed_engine
+from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 
@@ -96,6 +96,7 @@ def accumulate(
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine reduces and steps on the boundaries it is told
         engine.set_gradient_accumulation_boundary(sync)
+        setattr(engine, WINDOW_OPEN, not sync)  # save_state refuses inside a window
         yield sync
         return
     if sync or ctx.world_size == 1:

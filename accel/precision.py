@@ -20,7 +20,7 @@ from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext, along
 from accel.parallel import check_optimizer
-from accel.parallel.deepspeed import deepspeed_engine
+from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
@@ -257,6 +257,7 @@ def _engine_step(engine: Any, scaler: GradScaler | None) -> bool:
         )
     skipped = engine.skipped_steps
     engine.step()
+    setattr(engine, WINDOW_OPEN, False)
     return bool(engine.skipped_steps == skipped)
 
 

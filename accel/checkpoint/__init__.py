@@ -226,7 +226,8 @@ def save_state(
 
     Pass the objects as one dict of name -> object, `state`, the same dict `save_checkpoint`
     and `load_state` take (or as keyword arguments; the two combine): models (saved unwrapped;
-    FSDP2 models and their optimizers sharded through torch.distributed.checkpoint),
+    FSDP2 models and their optimizers sharded through torch.distributed.checkpoint; a
+    DeepSpeed engine as each rank's ZeRO state, its optimizer within it),
     optimizers, schedulers, GradScaler, loaders, `torch.Generator`, or anything with
     `state_dict`/`load_state_dict`.
     Objects are saved once, from rank 0, unless wrapped in `PerRank`; the RNG states of every
@@ -279,7 +280,7 @@ def save_state(
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
     """The one dict of a checkpoint's objects: `state`'s entries and the keyword arguments."""
     if state is None:
-        return _no_engines(fn, objects)
+        return _engines_as_state(fn, objects)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise TypeError(
             f"{fn}: state={state!r:.80} must be a dict of name -> object, e.g. "
@@ -291,18 +292,33 @@ def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
             f"{fn}: {both} given both in state and as keyword arguments; each name once. Put "
             "every object in the state dict."
         )
-    return _no_engines(fn, {**state, **objects})
+    return _engines_as_state(fn, {**state, **objects})
 
 
-def _no_engines(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
-    for name, obj in objects.items():
-        if deepspeed_engine(obj) is not None:  # its sharded state is not the module's
-            raise NotImplementedError(
-                f"{fn}: {name} is a DeepSpeed engine or its optimizer, whose ZeRO-partitioned "
-                "state accel does not checkpoint yet; use engine.save_checkpoint(dir) / "
-                "engine.load_checkpoint(dir) (accel.deepspeed_engine(model) returns the engine)."
-            )
-    return objects
+def _engines_as_state(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed engine is saved per rank as its ZeRO state; the optimizer given to it is in
+    that state, so the optimizer's own entry only names the engine's."""
+    found = {name: deepspeed_engine(obj) for name, obj in objects.items()}
+    if all(engine is None for engine in found.values()):
+        return objects
+    from accel.checkpoint._deepspeed_state import EngineOptimizer, EngineState
+
+    models = {n for n, obj in objects.items() if isinstance(obj, nn.Module)}
+    engines = {n: e for n, e in found.items() if e is not None and n in models}
+    out = dict(objects)
+    for name, engine in found.items():
+        if name in engines:
+            out[name] = PerRank(EngineState(fn, name, engine))
+        elif engine is not None:
+            owner = next((n for n, e in engines.items() if e is engine), None)
+            if owner is None:
+                raise ValueError(
+                    f"{fn}: {name} is the optimizer of a DeepSpeed engine, which keeps its state "
+                    "(ZeRO partitions it); pass the engine (the model wrap_model returned) too, "
+                    'e.g. {"model": model, "optimizer": optimizer}.'
+                )
+            out[name] = EngineOptimizer(fn, name, owner)
+    return out
 
 
 def load_state(

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from accel.parallel.deepspeed import WINDOW_OPEN
+
 
 def engine_state(engine: Any) -> dict[str, torch.Tensor]:
     """The module's state dict with whole tensors (on the CPU), on every rank.
@@ -31,3 +33,100 @@ def engine_state(engine: Any) -> dict[str, torch.Tensor]:
         )
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+class EngineState:
+    """A DeepSpeed engine's whole training state on this rank, as data (tensors and numbers).
+
+    ZeRO partitions the fp32 master weights and the optimizer state across ranks, so
+    `save_state` saves this per rank: the module's weights (ZeRO-1/2 hold them whole; ZeRO-3's
+    are the partitions), the optimizer's ZeRO state (master-weight partitions, the torch
+    optimizer's state, the loss scale) and the engine's step counters. It loads into an engine
+    built the same way at the same world size, bit for bit, through the engine's own
+    `load_state_dict`, as `engine.load_checkpoint` does, without its pickles.
+    """
+
+    def __init__(self, fn: str, name: str, engine: Any) -> None:
+        self.fn, self.name, self.engine = fn, name, engine
+
+    def state_dict(self) -> dict[str, Any]:
+        engine = self.engine
+        if getattr(engine, WINDOW_OPEN, False):
+            raise RuntimeError(
+                f"{self.fn}: {self.name} is a DeepSpeed engine inside a gradient accumulation "
+                "window: its partial gradients live in ZeRO's buffers, which are not saved. "
+                "Save after optimizer_step (where accumulate(...) yields sync=True)."
+            )
+        optimizer = dict(engine.optimizer.state_dict())
+        # Two entries are objects, not data: the loss scaler is kept as its numbers; the slice
+        # mappings (an index for DeepSpeed's universal checkpoints) the engine rebuilds itself.
+        scaler = optimizer.pop("loss_scaler")
+        optimizer.pop("param_slice_mappings", None)
+        optimizer["zero_stage"] = int(optimizer["zero_stage"])
+        return {
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "world_size": int(engine.dp_world_size),
+            "module": (
+                None if engine.zero_optimization_partition_weights() else engine.module.state_dict()
+            ),
+            "optimizer": optimizer,
+            "loss_scaler": {
+                k: v for k, v in vars(scaler).items() if isinstance(v, bool | int | float)
+            },
+            "counters": {k: int(getattr(engine, k)) for k in _COUNTERS},
+            "lr_scheduler": (
+                engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+            ),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        engine, where = self.engine, f"{self.fn}: {self.name}"
+        stage, world = int(engine.zero_optimization_stage()), int(engine.dp_world_size)
+        if (state["zero_stage"], state["world_size"]) != (stage, world):
+            raise ValueError(
+                f"{where} was saved from a ZeRO-{state['zero_stage']} engine over "
+                f"{state['world_size']} data-parallel ranks; this engine is ZeRO-{stage} over "
+                f"{world}. ZeRO's partitions load into the same stage and world size only; "
+                "resume with those (accel merge-weights turns the weights into a plain model)."
+            )
+        if (state["lr_scheduler"] is None) != (engine.lr_scheduler is None):
+            raise ValueError(
+                f"{where}: the saved engine {'had' if state['lr_scheduler'] else 'had no'} "
+                "DeepSpeed scheduler and this one "
+                f"{'has' if engine.lr_scheduler is not None else 'has none'}; build the engine "
+                "from the same DeepSpeed config."
+            )
+        if state["module"] is not None:
+            engine.module.load_state_dict(state["module"])  # in place: ZeRO's flat views stay
+        scaler = engine.optimizer.loss_scaler
+        for key, value in state["loss_scaler"].items():
+            setattr(scaler, key, value)
+        optimizer = {**state["optimizer"], "loss_scaler": scaler}
+        engine.optimizer.load_state_dict(
+            [optimizer] * world, load_optimizer_states=True, load_from_fp32_weights=True
+        )
+        for key, value in state["counters"].items():
+            setattr(engine, key, value)
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+class EngineOptimizer:
+    """The optimizer given to a DeepSpeed engine: its state is in the engine's entry."""
+
+    def __init__(self, fn: str, name: str, engine_name: str) -> None:
+        self.fn, self.name, self.engine_name = fn, name, engine_name
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_with_engine": self.engine_name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("saved_with_engine") != self.engine_name:
+            raise ValueError(
+                f"{self.fn}: {self.name} was saved with the DeepSpeed engine named "
+                f"{state.get('saved_with_engine')!r}, and is loaded with {self.engine_name!r}; "
+                "pass the engine under the name it was saved with."
+            )

@@ -166,10 +166,6 @@ def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
         if stage == 3:
             _check_save_model(c, engine, Path(tmp) / name)
             engine.save_checkpoint(str(Path(tmp) / name / "zero"))  # for merge-weights
-        for obj in (engine, optimizer):  # refused by name, never a silently partial state
-            with pytest.raises(NotImplementedError, match=r"save_state: model is a DeepSpeed"):
-                accel.save_state(c, Path(tmp) / "state", model=obj)
-        assert not (Path(tmp) / "state").exists()
     return out
 
 
