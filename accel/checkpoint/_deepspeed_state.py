@@ -79,7 +79,8 @@ class EngineState:
             ),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check(self, state: dict[str, Any]) -> None:
+        """Raise naming what differs between the saved engine and this one."""
         engine, where = self.engine, f"{self.fn}: {self.name}"
         stage, world = int(engine.zero_optimization_stage()), int(engine.dp_world_size)
         if (state["zero_stage"], state["world_size"]) != (stage, world):
@@ -96,6 +97,10 @@ class EngineState:
                 f"{'has' if engine.lr_scheduler is not None else 'has none'}; build the engine "
                 "from the same DeepSpeed config."
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check(state)
+        engine, world = self.engine, int(self.engine.dp_world_size)
         if state["module"] is not None:
             engine.module.load_state_dict(state["module"])  # in place: ZeRO's flat views stay
         scaler = engine.optimizer.loss_scaler

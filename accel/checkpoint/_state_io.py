@@ -31,6 +31,7 @@ from accel._safetensors import manifests
 from accel._safetensors.exports import fsync_path
 from accel._safetensors.files import check_inside
 from accel.checkpoint import _atomic, _dcp
+from accel.checkpoint._deepspeed_state import EngineState
 from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
 from accel.checkpoint._safetensors_io import PendingWrite, read_file, start_write
@@ -288,9 +289,11 @@ def _read(
 
 
 def _prepare(fn: str, kind: str, obj: Any, state: Any) -> Any:
-    """Check a module's state against the module before anything is loaded; return it whole."""
+    """Check a module's (or engine's) state against it before anything is loaded; return it."""
     if kind == "module":
         return check_against_model(fn, unwrap_model(obj), state, strict=True)
+    if isinstance(obj, EngineState):  # its stage and world size, before any object changes
+        obj.check(state)
     return state
 
 

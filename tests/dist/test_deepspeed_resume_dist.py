@@ -56,7 +56,9 @@ def _masters(engine: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for t in state[key]]
 
 
-def _train(ctx, engine, optimizer, scheduler, root: Path, first: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _train(
+    ctx: accel.RunContext, engine: Any, optimizer: Any, scheduler: Any, root: Path, first: int
+) -> list[float]:
     """The user's loop from optimizer step `first`, saving after step SAVE."""
     losses = []
     for micro in range(first * ACCUM, STEPS * ACCUM):
@@ -105,9 +107,18 @@ def _world(ctx: accel.RunContext, tmp: str, resume: bool) -> dict[str, Any]:
     return out
 
 
-def test_a_deepspeed_run_resumed_in_new_processes_ends_bit_identical(tmp_path: Path) -> None:
-    whole = run_world(_world, world_size=2, timeout=600, args=(str(tmp_path), False))
-    resumed = run_world(_world, world_size=2, timeout=600, args=(str(tmp_path), True))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """The uninterrupted runs, with their checkpoints at step SAVE: (folder, each rank's out)."""
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    return tmp, run_world(_world, world_size=2, timeout=600, args=(str(tmp), False))
+
+
+def test_a_deepspeed_run_resumed_in_new_processes_ends_bit_identical(
+    uninterrupted: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    tmp, whole = uninterrupted
+    resumed = run_world(_world, world_size=2, timeout=600, args=(str(tmp), True))
     for rank in (0, 1):
         for name, *_ in CASES:
             ours, ref = resumed[rank][name], whole[rank][name]
@@ -118,3 +129,27 @@ def test_a_deepspeed_run_resumed_in_new_processes_ends_bit_identical(tmp_path: P
             assert len(ours["masters"]) == len(ref["masters"])
             for a, b in zip(ours["masters"], ref["masters"], strict=True):
                 assert torch.equal(a, b), name
+
+
+def _load_at_one_rank(ctx: accel.RunContext, tmp: str) -> str:
+    _launcher_env(ctx)
+    ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
+    engine, optimizer, scheduler = _engine(ctx, 1, False)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    latest = accel.latest_checkpoint(Path(tmp) / "zero1-fp32")
+    state = {"scheduler": scheduler, "model": engine, "optimizer": optimizer}
+    with pytest.raises(ValueError) as refused:
+        accel.load_state(ctx, latest, state)
+    assert scheduler.last_epoch == 0  # refused before anything was loaded
+    for p, b in zip(engine.module.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    return str(refused.value)
+
+
+def test_partitions_saved_at_two_ranks_are_refused_at_one_by_name(
+    uninterrupted: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    tmp, _ = uninterrupted
+    (message,) = run_world(_load_at_one_rank, world_size=1, timeout=600, args=(str(tmp),))
+    assert "ZeRO-1 engine over 2 data-parallel ranks" in message, message
+    assert "this engine is ZeRO-1 over 1" in message, message
