@@ -272,9 +272,26 @@ def _build_schedule(
         PipelineStage(m, i, num_stages, ctx.device, group=group)
         for m, i in zip(modules, ids, strict=True)
     ]
+    for stage in stages:
+        _no_sends_to_self(stage, along(ctx, "pp").rank)
     cls, layout = _SCHEDULES[schedule]
     first = stages[0] if layout == "single" else stages
     return getattr(schedules, cls)(first, microbatches, loss_fn=loss_fn)
+
+
+def _no_sends_to_self(stage: Any, own: int) -> None:
+    """Drop the schedule's warm-up sends between two stages of this rank.
+
+    Before the first step, each stage sends a dummy tensor to its neighbours to open the
+    connections. Under a V schedule (zbv, dualpipev) the middle two stages sit on one rank, and
+    torch 2.11's gloo cannot send to its own rank ("Pair is not connected"); a rank needs no
+    connection to itself, and the schedule passes activations between its own stages in memory.
+    """
+    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warm_up is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [
+            op for op in warm_up() if getattr(op, "group_peer", None) != own
+        ]
 
 
 def pipeline_step(
