@@ -1,12 +1,14 @@
 """N-D parallel training steps through accel against the same torch calls wired by hand.
 
-At 4 CPU ranks (gloo), for each mesh: one Llama-style model wrapped by `accel.wrap_model` (and
-stepped with accel's calls), one wrapped by hand with `parallelize_module`, `fully_shard`,
-`checkpoint_wrapper` and `nn.Module.compile` (and stepped with plain torch). Rounds alternate
-which goes first; the table reports accel's best round time over the hand-wired best, and the
-median over rounds of the ratio of the two times measured in that round. Then the peak
-resident memory per rank of dp_shard=4 with and without activation checkpointing, each in its
-own world (peak RSS cannot be reset inside a process).
+At 4 CPU ranks (gloo; 2 for the pp=2 mesh), for each mesh: one Llama-style model wrapped by
+`accel.wrap_model` (and stepped with accel's calls), one wrapped by hand with
+`parallelize_module`, `fully_shard`, `checkpoint_wrapper` and `nn.Module.compile` (and stepped
+with plain torch); for pipeline meshes, `pipeline_stages` and `pipeline_step` against torch's
+`PipelineStage` and schedule driven by hand. Rounds alternate which goes first; the table
+reports accel's best round time over the hand-wired best, and the median over rounds of the
+ratio of the two times measured in that round. Then the peak resident memory per rank of
+dp_shard=4 with and without activation checkpointing, each in its own world (peak RSS cannot
+be reset inside a process).
 
     python benchmarks/parallel.py            # full run, 20 rounds
     python benchmarks/parallel.py --quick    # fewer rounds
@@ -47,6 +49,8 @@ MESHES = {
             {"schedule": schedule, "accel_first": first == "accel"},
         )
         for name, sizes, schedule in (
+            # 2 ranks on the 2 cores: the one pipeline row not oversubscribed, so the quietest
+            ("pp=2 (1f1b)", Parallelism(pp=2), "1f1b"),
             ("pp=4 (1f1b)", Parallelism(pp=4), "1f1b"),
             ("pp=2 x dp_shard=2 (1f1b)", Parallelism(pp=2, dp_shard=2), "1f1b"),
             (
@@ -260,14 +264,15 @@ def main() -> None:
     cli = parser.parse_args()
     quick = cli.quick
     rounds, steps = (4, 2) if quick else (cli.rounds, 3)
-    print(f"4 gloo ranks, Llama-style {SIZES}, batch {BATCH} x seq {SEQ}, AdamW")
+    print(f"4 gloo ranks (pp=2: 2), Llama-style {SIZES}, batch {BATCH} x seq {SEQ}, AdamW")
     print("| mesh | best accel / best hand | median of round ratios | rounds x steps |")
     print("|---|---|---|---|")
     for name, (parallelism, options) in MESHES.items():
         if cli.mesh and name not in cli.mesh:
             continue
+        ranks = parallelism.pp * parallelism.dp_replicate * parallelism.dp_shard * parallelism.tp
         times = run_world(
-            _time, world_size=4, args=(options, rounds, steps), parallelism=parallelism,
+            _time, world_size=ranks, args=(options, rounds, steps), parallelism=parallelism,
             timeout=1200,
         )[0]  # fmt: skip
         best = min(a for a, _ in times) / min(h for _, h in times)
