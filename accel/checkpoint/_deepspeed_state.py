@@ -39,11 +39,12 @@ class EngineState:
     """A DeepSpeed engine's whole training state on this rank, as data (tensors and numbers).
 
     ZeRO partitions the fp32 master weights and the optimizer state across ranks, so
-    `save_state` saves this per rank: the module's weights (ZeRO-1/2 hold them whole; ZeRO-3's
-    are the partitions), the optimizer's ZeRO state (master-weight partitions, the torch
-    optimizer's state, the loss scale) and the engine's step counters. It loads into an engine
-    built the same way at the same world size, bit for bit, through the engine's own
-    `load_state_dict`, as `engine.load_checkpoint` does, without its pickles.
+    `save_state` saves this per rank: the module's weights and buffers (ZeRO-1/2 hold the
+    weights whole; ZeRO-3's are partitions, in the optimizer's state), the optimizer's ZeRO
+    state (master-weight partitions, the torch optimizer's state, the loss scale) and the
+    engine's step counters. It loads into an engine built the same way at the same world size,
+    bit for bit, through the engine's own `load_state_dict`, as `engine.load_checkpoint` does,
+    without its pickles.
     """
 
     def __init__(self, fn: str, name: str, engine: Any) -> None:
@@ -66,9 +67,7 @@ class EngineState:
         return {
             "zero_stage": int(engine.zero_optimization_stage()),
             "world_size": int(engine.dp_world_size),
-            "module": (
-                None if engine.zero_optimization_partition_weights() else engine.module.state_dict()
-            ),
+            "module": _module_state(engine),
             "optimizer": optimizer,
             "loss_scaler": {
                 k: v for k, v in vars(scaler).items() if isinstance(v, bool | int | float)
@@ -101,7 +100,10 @@ class EngineState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check(state)
         engine, world = self.engine, int(self.engine.dp_world_size)
-        if state["module"] is not None:
+        if engine.zero_optimization_partition_weights():
+            for name, value in state["module"].items():
+                engine.module.get_buffer(name).copy_(value)
+        else:
             engine.module.load_state_dict(state["module"])  # in place: ZeRO's flat views stay
         scaler = engine.optimizer.loss_scaler
         for key, value in state["loss_scaler"].items():
@@ -117,6 +119,16 @@ class EngineState:
 
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _module_state(engine: Any) -> dict[str, torch.Tensor]:
+    """The module's state_dict; under ZeRO-3 only its buffers, which ZeRO does not partition
+    (the parameters' partitions are in the optimizer's state)."""
+    state: dict[str, torch.Tensor] = engine.module.state_dict()
+    if not engine.zero_optimization_partition_weights():
+        return state
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in state.items() if k not in params}
 
 
 class EngineOptimizer:

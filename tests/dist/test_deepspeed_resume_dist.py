@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import accel
 from accel.checkpoint._deepspeed_state import engine_state
 from accel.testing import run_world
-from tests.dist.test_deepspeed_dist import _ds_config, _launcher_env, _model
+from tests.dist.test_deepspeed_dist import _ds_config, _launcher_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -37,6 +38,30 @@ CASES = (  # (name, ZeRO stage, offload the optimizer, precision)
 def _batch(ctx: accel.RunContext, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * micro_step + ctx.rank)
     return torch.randn(MICRO, 8, generator=g), torch.randn(MICRO, 1, generator=g)
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs in a buffer (as BatchNorm keeps its statistics)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.mean(0).to(self.mean.dtype), alpha=0.1)
+        return x
+
+
+def _model() -> nn.Module:
+    """With a buffer that training changes: ZeRO-3 partitions only the parameters, so the
+    buffers must come back from the checkpoint too."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        RunningMean(8), nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(32, 1),
+    )  # fmt: skip
 
 
 def _engine(ctx: accel.RunContext, stage: int, offload: bool) -> tuple[Any, Any, Any]:
