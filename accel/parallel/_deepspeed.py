@@ -57,6 +57,9 @@ def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions
     ref = weakref.ref(engine)
     for opt in {id(o): o for o in (options.optimizer, optimizer, engine.optimizer) if o}.values():
         setattr(opt, ENGINE_REF, ref)  # optimizer_step(ctx, opt) finds the engine through it
+    # The module itself leads there too: under ZeRO-3 its parameters are empty partitions, so
+    # save_model or save_state of `unwrap_model(engine)` must go through the engine.
+    model.__dict__[ENGINE_REF] = ref
     inner = getattr(engine.optimizer, "optimizer", None)
     if inner is not None:
         setattr(inner, ENGINE_REF, ref)

@@ -120,6 +120,8 @@ def _check_save_model(ctx: accel.RunContext, engine: Any, folder: Path) -> None:
     from the path save_model takes.
     """
     accel.save_model(ctx, engine, folder / "engine")
+    # The module you built, partitioned by ZeRO-3, leads to its engine: the same whole weights.
+    accel.save_model(ctx, accel.unwrap_model(engine), folder / "module")
     full = engine._zero3_consolidated_16bit_state_dict()  # collective; whole on rank 0 only
     if ctx.rank == 0:
         plain = _model().to(next(iter(full.values())).dtype)
@@ -130,6 +132,7 @@ def _check_save_model(ctx: accel.RunContext, engine: Any, folder: Path) -> None:
             folder / "plain" / "model.safetensors",
         )
         assert ours.read_bytes() == theirs.read_bytes()
+        assert (folder / "module" / "model.safetensors").read_bytes() == theirs.read_bytes()
         fresh = _model().to(plain[0].weight.dtype)
         accel.load_checkpoint_in_model(fresh, folder / "engine")
         for a, b in zip(fresh.state_dict().values(), full.values(), strict=True):
