@@ -74,7 +74,8 @@ def deepspeed_engine(obj: object) -> Any:
 
     The model `wrap_model(..., strategy="deepspeed")` returned is the engine (also inside
     `torch.compile`); the module given to it (`unwrap_model(engine)`), the optimizer given in
-    `DeepSpeedOptions`, and the engine's own optimizer lead to it. Costs a dict lookup when deepspeed was never imported.
+    `DeepSpeedOptions`, and the engine's own optimizer lead to it. Costs a dict lookup when
+    deepspeed was never imported.
 
     Args:
         obj: a model or an optimizer.
