@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.dist
 
 
 WORLD = 2
+# torch's own rule (DistributedDataParallel.register_comm_hook): its bf16 hooks are taken by a
+# torch built with CUDA (or ROCm) and NCCL, on any device; a CPU build refuses them.
+BF16_HOOKS = (torch.version.cuda or torch.version.hip) is not None and dist.is_nccl_available()
 
 
 def _mlp() -> nn.Module:
@@ -66,10 +70,10 @@ def _bf16_refusal(ctx: accel.RunContext) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fp16_and_torch_hook_gradients_equal_the_hand_computed_reduction() -> None:
-    hooks = ["fp16", default_hooks.allreduce_hook]
+def test_compressed_and_torch_hook_gradients_equal_the_hand_computed_reduction() -> None:
+    hooks = ["fp16", default_hooks.allreduce_hook, *(["bf16"] if BF16_HOOKS else [])]
     results = run_world(_compressed_grads, world_size=WORLD, args=(hooks,), timeout=120)
-    dtypes = {"fp16": torch.float16}
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     for rank_result in results:
         for res in rank_result:
             for ddp_grad, stacked in zip(res["ddp"], res["local"], strict=True):
@@ -90,11 +94,12 @@ def test_fp16_and_torch_hook_gradients_equal_the_hand_computed_reduction() -> No
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available(), reason="torch registers its bf16 hooks where CUDA and NCCL are"
-)
+    BF16_HOOKS, reason="this torch is built with CUDA and NCCL, so it takes its bf16 hooks "
+    "(the test above checks their gradients)"
+)  # fmt: skip
 @pytest.mark.slow
 def test_bf16_hooks_off_cuda_are_refused_by_name() -> None:
-    # torch's DDP refuses bf16_compress_hook/_wrapper without CUDA and NCCL 2.10+ (gloo on CPU).
+    # torch's DDP refuses bf16_compress_hook/_wrapper in a build without CUDA and NCCL 2.10+.
     for messages in run_world(_bf16_refusal, world_size=2, timeout=120):
         assert "DDPOptions(comm_hook='bf16') needs torch built with CUDA" in messages[0]
         assert "DDPOptions(comm_wrapper='bf16') needs torch built with CUDA" in messages[1]
