@@ -24,6 +24,7 @@ from accel._dtensor import has_dtensors
 from accel._groups import every_rank_step
 from accel._size import parse_size
 from accel.checkpoint import _atomic
+from accel.checkpoint._deepspeed_state import engine_state, engines_as_state
 from accel.checkpoint._model_io import (
     dedupe_tied,
     file_layout,
@@ -117,7 +118,7 @@ def save_model(
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     inner = unwrap_model(model)
     engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
-    state = inner.state_dict() if engine is None else _engine_state(engine)
+    state = inner.state_dict() if engine is None else engine_state(engine)
     if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
         tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
         publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
@@ -137,12 +138,6 @@ def save_model(
             write_model_files(Path(directory), state, max_bytes)
 
     every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
-
-
-def _engine_state(engine: Any) -> dict[str, Any]:
-    from accel.checkpoint._deepspeed_state import engine_state  # on use: imports deepspeed
-
-    return engine_state(engine)
 
 
 def _check_model(fn: str, model: object) -> None:
@@ -280,7 +275,7 @@ def save_state(
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
     """The one dict of a checkpoint's objects: `state`'s entries and the keyword arguments."""
     if state is None:
-        return _engines_as_state(fn, objects)
+        return engines_as_state(fn, objects)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise TypeError(
             f"{fn}: state={state!r:.80} must be a dict of name -> object, e.g. "
@@ -292,33 +287,7 @@ def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
             f"{fn}: {both} given both in state and as keyword arguments; each name once. Put "
             "every object in the state dict."
         )
-    return _engines_as_state(fn, {**state, **objects})
-
-
-def _engines_as_state(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed engine is saved per rank as its ZeRO state; the optimizer given to it is in
-    that state, so the optimizer's own entry only names the engine's."""
-    found = {name: deepspeed_engine(obj) for name, obj in objects.items()}
-    if all(engine is None for engine in found.values()):
-        return objects
-    from accel.checkpoint._deepspeed_state import EngineOptimizer, EngineState
-
-    models = {n for n, obj in objects.items() if isinstance(obj, nn.Module)}
-    engines = {n: e for n, e in found.items() if e is not None and n in models}
-    out = dict(objects)
-    for name, engine in found.items():
-        if name in engines:
-            out[name] = PerRank(EngineState(fn, name, engine))
-        elif engine is not None:
-            owner = next((n for n, e in engines.items() if e is engine), None)
-            if owner is None:
-                raise ValueError(
-                    f"{fn}: {name} is the optimizer of a DeepSpeed engine, which keeps its state "
-                    "(ZeRO partitions it); pass the engine (the model wrap_model returned) too, "
-                    'e.g. {"model": model, "optimizer": optimizer}.'
-                )
-            out[name] = EngineOptimizer(fn, name, owner)
-    return out
+    return engines_as_state(fn, {**state, **objects})
 
 
 def load_state(

@@ -1,6 +1,7 @@
-"""The full weights of a DeepSpeed engine's module, for save_model (ZeRO-3 gathers them).
+"""A DeepSpeed engine in accel's checkpoints: its whole weights for save_model (ZeRO-3 gathers
+them), and each rank's ZeRO state for save_state / load_state.
 
-Imported only for a DeepSpeed engine: it imports deepspeed.
+Importing this module does not import deepspeed; gathering ZeRO-3's weights does.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-from accel.parallel.deepspeed import WINDOW_OPEN
+from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
 
 
 def engine_state(engine: Any) -> dict[str, torch.Tensor]:
@@ -35,6 +37,31 @@ def engine_state(engine: Any) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
+def engines_as_state(fn: str, objects: dict[str, Any]) -> dict[str, Any]:
+    """The objects to save or load, with each DeepSpeed engine (or its module) as its per-rank
+    `EngineState`, and the optimizer given to it as a reference to that entry (its state is in
+    the engine's). An engine's optimizer without the engine is refused."""
+    found = {name: deepspeed_engine(obj) for name, obj in objects.items()}
+    if all(engine is None for engine in found.values()):
+        return objects
+    models = {n for n, obj in objects.items() if isinstance(obj, nn.Module)}
+    engines = {n: e for n, e in found.items() if e is not None and n in models}
+    out = dict(objects)
+    for name, engine in found.items():
+        if name in engines:
+            out[name] = EngineState(fn, name, engine)
+        elif engine is not None:
+            owner = next((n for n, e in engines.items() if e is engine), None)
+            if owner is None:
+                raise ValueError(
+                    f"{fn}: {name} is the optimizer of a DeepSpeed engine, which keeps its state "
+                    "(ZeRO partitions it); pass the engine (the model wrap_model returned) too, "
+                    'e.g. {"model": model, "optimizer": optimizer}.'
+                )
+            out[name] = EngineOptimizer(fn, name, owner)
+    return out
+
+
 class EngineState:
     """A DeepSpeed engine's whole training state on this rank, as data (tensors and numbers).
 
@@ -46,6 +73,8 @@ class EngineState:
     bit for bit, through the engine's own `load_state_dict`, as `engine.load_checkpoint` does,
     without its pickles.
     """
+
+    state_is_per_rank = True  # every rank saves its own partitions
 
     def __init__(self, fn: str, name: str, engine: Any) -> None:
         self.fn, self.name, self.engine = fn, name, engine
