@@ -136,6 +136,9 @@ def profile(
         "activities": chosen, "schedule": steps, "on_trace_ready": write,
         "record_shapes": record_shapes, "profile_memory": profile_memory,
         "with_stack": with_stack, "with_flops": with_flops,
+        # Without a schedule there is one cycle, so nothing is cleared between cycles; saying
+        # so keeps torch 2.11 from warning at the start that events are cleared after each.
+        "acc_events": steps is None,
     }  # fmt: skip
     with torch.profiler.profile(**options) as prof:
         yield prof
