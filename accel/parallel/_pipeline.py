@@ -8,7 +8,7 @@ forward and backward over microbatches and returns the loss on every rank of the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -67,6 +67,8 @@ class PipelineStages:
     """The user's loss function, `loss_fn(output, target)`."""
     last_stage_rank: int
     """The pp rank holding the last stage (pp_size - 1, or 0 for the V schedules)."""
+    _sending: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+    """The last stage's loss broadcast still in flight (waited for at the next step)."""
 
     @property
     def has_first(self) -> bool:
@@ -359,11 +361,28 @@ def pipeline_step(
     if stages.has_last:
         loss = torch.stack([x.detach().float() for x in losses]).mean()
     if ctx.pp_size > 1:
-        pp = along(ctx, "pp")
-        owner = stages.last_stage_rank
-        src = owner if pp.process_group is None else dist.get_global_rank(pp.process_group, owner)
-        dist.broadcast(loss, src=src, group=pp.process_group)
+        _share_loss(ctx, stages, loss)
     return loss
+
+
+def _share_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> None:
+    """Broadcast the last stage's loss over the pp group, into `loss` on the other ranks.
+
+    The last stage sends without waiting, so its optimizer step overlaps the earlier stages'
+    last backward as it would without the broadcast (a blocking one held it until the first
+    stage was done); the others wait, but they finish the step later, when the loss is there.
+    """
+    for work in stages._sending:  # the previous step's, long done: gloo keeps the order anyway
+        work.wait()
+    stages._sending.clear()
+    pp = along(ctx, "pp")
+    owner = stages.last_stage_rank
+    src = owner if pp.process_group is None else dist.get_global_rank(pp.process_group, owner)
+    if stages.has_last:
+        sent = loss.clone()  # the caller may change the loss it gets while this is in flight
+        stages._sending.append(dist.broadcast(sent, src=src, group=pp.process_group, async_op=True))
+    else:
+        dist.broadcast(loss, src=src, group=pp.process_group)
 
 
 def _run_locally(stages: PipelineStages, args: tuple[Any, ...], targets: Any) -> torch.Tensor:
