@@ -132,14 +132,17 @@ def save_sharded(
     tensors are streamed to rank 0 one at a time, which writes them. Then rank 0 calls
     `publish(write)`, whose `write` returns the (size, crc32) of a file already written:
     renames into place, index and manifest. An error on any rank is raised on every rank
-    (`every_rank_step`: it travels in the save's own gathers); the partial files are then
-    removed.
+    (`every_rank_step`: it travels in the save's own gathers); rank 0 then removes the
+    partial files.
     """
     fn = "save_model"
     group = require_group(ctx, fn) if ctx.world_size > 1 else None
     paths = [partial_path(directory / name) for name, _ in layout]
+    # Only rank 0, which created the files, removes them on failure: another rank doing it
+    # could still be at it when rank 0 creates them again for a save retried at once.
+    mine = [name for name, _ in layout] if ctx.is_main else []
     with ExitStack() as lock:  # rank 0 holds the export lock until the files are published
-        with partials_removed_on_failure(fn, directory, [name for name, _ in layout]):
+        with partials_removed_on_failure(fn, directory, mine):
             created: Exception | None = None
             if ctx.is_main:
                 try:

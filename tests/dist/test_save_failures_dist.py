@@ -125,3 +125,43 @@ def test_a_step_only_rank_zero_takes_fails_every_rank_instead_of_a_hang(
                         args=(str(tmp_path), where))  # fmt: skip
     assert results[0] == results[1], results
     assert results[0].startswith(f"OSError errno={errno.ENOSPC}:") and "rank 0" in results[0]
+
+
+def _save_again_while_rank_one_cleans_up(ctx: RunContext, root: str) -> dict[str, Any]:
+    import time
+
+    from accel.checkpoint import _sharded_save
+
+    sharded, folder = _fsdp2(), Path(root) / "m"
+    real_unlink = Path.unlink
+
+    def slow_unlink(self: Path, missing_ok: bool = False) -> None:
+        time.sleep(1.0)  # rank 0 is presizing the next save's files meanwhile
+        real_unlink(self, missing_ok=missing_ok)
+
+    with (
+        _patched(_sharded_save, "presize", _full, ctx.is_main),
+        _patched(Path, "unlink", slow_unlink, ctx.rank == 1),
+    ):
+        first = _outcome(lambda: accel.save_model(ctx, sharded, folder))
+    second = _outcome(lambda: accel.save_model(ctx, sharded, folder))
+    full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    return {"first": first, "second": second, "full": full}
+
+
+def test_a_save_retried_at_once_after_a_failure_is_not_undone_by_another_ranks_cleanup(
+    tmp_path: Path,
+) -> None:
+    # Before: rank 1, still removing the failed save's partial files, removed the ones rank 0
+    # had just created for the retry, which then failed with ENOENT.
+    from safetensors.torch import load_file
+
+    results = run_world(_save_again_while_rank_one_cleans_up, world_size=2, timeout=60,
+                        args=(str(tmp_path),))  # fmt: skip
+    for mine in results:
+        assert mine["first"].startswith(f"OSError errno={errno.ENOSPC}:"), mine["first"]
+        assert mine["second"] == "saved", mine["second"]
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    assert saved.keys() == results[0]["full"].keys()
+    for name, value in results[0]["full"].items():
+        assert torch.equal(saved[name], value), name
