@@ -9,6 +9,7 @@ caller raise the same exception, with the rank's traceback attached; a world tha
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -17,10 +18,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -273,26 +275,31 @@ def _start_world(
 # ranks have the values the server started with, whatever the caller has set since.
 _READ_AT_START = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GLOO_", "NCCL_", "CUDA_", "LD_",
                   "PYTHON", "DNNL_", "ONEDNN_")  # fmt: skip
-_server_env: dict[str, str] | None = None  # those variables when our forkserver started
 
 
 def _context(start_method: str) -> Any:
     """The multiprocessing context for `start_method`. A forkserver preloads torch and accel,
     which each rank would otherwise import; where the platform has none, or a variable read at
     start-up (`_READ_AT_START`) changed since the server started, the ranks are spawned."""
-    global _server_env
     if start_method != "forkserver":
         return mp.get_context(start_method)
     if start_method not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    now = {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
-    if _server_env is None:
-        _server_env = now  # the server starts with this call's first rank
-    elif now != _server_env:
-        return mp.get_context("spawn")
-    context = mp.get_context(start_method)
+    context, started_with = _forkserver()
+    return context if _start_up_variables() == started_with else mp.get_context("spawn")
+
+
+@functools.cache  # one forkserver per process, as multiprocessing keeps it
+def _forkserver() -> tuple[Any, Mapping[str, str]]:
+    """The forkserver context, and the start-up variables of its server, which starts with the
+    first world started from it: right after this first call."""
+    context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", "accel"])  # read when the server starts
-    return context
+    return context, MappingProxyType(_start_up_variables())
+
+
+def _start_up_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
 
 
 def _kill_tree(proc: Any) -> None:
