@@ -290,10 +290,15 @@ def _context(start_method: str) -> Any:
 
 
 @functools.cache  # one forkserver per process, as multiprocessing keeps it
-def _forkserver() -> tuple[Any, Mapping[str, str]]:
+def _forkserver() -> tuple[Any, Mapping[str, str] | None]:
     """The forkserver context, and the start-up variables of its server, which starts with the
-    first world started from it: right after this first call."""
+    first world started from it: right after this first call. None where other code of this
+    process started the server first: its variables and preload are unknown, so never used."""
+    from multiprocessing import forkserver  # here: only where the platform has one
+
     context = mp.get_context("forkserver")
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:  # already running
+        return context, None
     context.set_forkserver_preload(["torch", "accel"])  # read when the server starts
     return context, MappingProxyType(_start_up_variables())
 

@@ -4,9 +4,11 @@ caller's environment at the call, and spawned instead when a variable read only 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +55,34 @@ def test_a_start_up_variable_changed_since_the_forkserver_started_is_honoured(
         assert rank["env"] == {"PYTHONHASHSEED": seed}
         assert rank["hash"] == expected  # a forkserver child would have the server's hash
         assert rank["parent"] == os.getpid()  # spawned by the caller
+
+
+_STARTED_ELSEWHERE = """
+import json, multiprocessing as mp, os
+from accel.testing import run_world
+
+def seen(ctx):
+    return {"hash": hash("accel"), "parent": os.getppid()}
+
+if __name__ == "__main__":
+    # Other code starts multiprocessing's one forkserver first (a DataLoader with
+    # multiprocessing_context="forkserver", say), with another PYTHONHASHSEED.
+    os.environ["PYTHONHASHSEED"] = "1"
+    worker = mp.get_context("forkserver").Process(target=os.getpid)
+    worker.start()
+    worker.join()
+    os.environ["PYTHONHASHSEED"] = "2"
+    print(json.dumps({"ranks": run_world(seen, world_size=2), "caller": os.getpid()}))
+"""
+
+
+def test_a_forkserver_started_by_other_code_is_not_trusted_with_the_ranks(tmp_path: Path) -> None:
+    """Its start-up variables and preload are another's: run_world spawns the ranks."""
+    script = tmp_path / "started_elsewhere.py"
+    script.write_text(_STARTED_ELSEWHERE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    seen = json.loads(out.stdout)
+    for rank in seen["ranks"]:
+        assert rank["hash"] == _hash_in_a_fresh_interpreter("2")  # not the server's seed 1
+        assert rank["parent"] == seen["caller"]  # spawned by the caller
