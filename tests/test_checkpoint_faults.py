@@ -389,15 +389,15 @@ def test_a_checkpoint_rotated_between_the_readers_checks_is_reported_as_rotated(
     # look and gone right after (CI saw it once in the racing test above, told as "is a file").
     root = _root(tmp_path)
     latest = _save(root, 1)
-    real_stat = os.stat
+    real_stat = Path.stat  # Python 3.10's Path.stat does not look up os.stat when called
 
-    def stat_then_rotated(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+    def stat_then_rotated(path: Path, *args: Any, **kwargs: Any) -> os.stat_result:
         answer = real_stat(path, *args, **kwargs)
-        if os.fspath(path) == str(latest):
-            monkeypatch.setattr(os, "stat", real_stat)
+        if str(path) == str(latest):
+            monkeypatch.setattr(Path, "stat", real_stat)
             shutil.rmtree(latest)  # the rotation lands right after the first look
         return answer
 
-    monkeypatch.setattr(os, "stat", stat_then_rotated)
+    monkeypatch.setattr(Path, "stat", stat_then_rotated)
     with pytest.raises(FileNotFoundError, match="rotated"):
         accel.load_state(CTX, latest, model=_model(-1.0))
