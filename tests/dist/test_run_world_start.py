@@ -83,6 +83,7 @@ def test_a_forkserver_started_by_other_code_is_not_trusted_with_the_ranks(tmp_pa
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120, check=True)  # fmt: skip
     seen = json.loads(out.stdout)
+    expected = _hash_in_a_fresh_interpreter("2")
     for rank in seen["ranks"]:
-        assert rank["hash"] == _hash_in_a_fresh_interpreter("2")  # not the server's seed 1
+        assert rank["hash"] == expected  # not the server's seed 1
         assert rank["parent"] == seen["caller"]  # spawned by the caller
