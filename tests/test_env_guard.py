@@ -42,5 +42,5 @@ def test_the_names_are_those_torch_writes() -> None:
     """Each name in SET_BY_TORCH is one torch's inductor writes, and every Triton variable it
     writes is in SET_BY_TORCH: a torch that writes another is caught here, not on a GPU."""
     written = {m for p in INDUCTOR.rglob("*.py") for m in WRITES.findall(p.read_text())}
-    assert SET_BY_TORCH <= written
+    assert written >= SET_BY_TORCH
     assert {n for n in written if n.startswith("TRITON_")} <= SET_BY_TORCH
