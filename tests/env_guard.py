@@ -25,17 +25,21 @@ SET_BY_TORCH = frozenset(
     }
 )
 
+# Written on import by deepspeed (`os.environ.setdefault` in deepspeed/__init__.py), which
+# transformers imports when it is installed: a library's once-per-process setting, as above.
+SET_BY_DEEPSPEED = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK"})
+
 PYTEST_OWN = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def leaked(before: Mapping[str, str], after: Mapping[str, str]) -> set[str]:
     """The variables that differ between `before` and `after` and are a test's doing: all but
-    pytest's own and those in SET_BY_TORCH that were absent before (a value torch's guard saw
-    and a test changed is still a leak)."""
+    pytest's own and those in SET_BY_TORCH or SET_BY_DEEPSPEED that were absent before (a
+    value the guard saw and a test changed is still a leak)."""
     return {
         k
         for k in before.keys() | after.keys()
         if before.get(k) != after.get(k)
         and k not in PYTEST_OWN
-        and not (k in SET_BY_TORCH and k not in before)
+        and not (k in SET_BY_TORCH | SET_BY_DEEPSPEED and k not in before)
     }

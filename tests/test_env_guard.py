@@ -3,13 +3,14 @@ test leaves changed is refused; one torch writes once per process where it was a
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.env_guard import SET_BY_TORCH, leaked
+from tests.env_guard import SET_BY_DEEPSPEED, SET_BY_TORCH, leaked
 
 INDUCTOR = Path(torch.__file__).parent / "_inductor"
 WRITES = re.compile(r"""os\.environ\[\s*["']([A-Z_]+)["']\s*\]\s*=""")
@@ -44,3 +45,13 @@ def test_the_names_are_those_torch_writes() -> None:
     written = {m for p in INDUCTOR.rglob("*.py") for m in WRITES.findall(p.read_text())}
     assert written >= SET_BY_TORCH
     assert {n for n in written if n.startswith("TRITON_")} <= SET_BY_TORCH
+
+
+def test_the_variable_deepspeed_sets_on_import_is_one_it_writes() -> None:
+    spec = importlib.util.find_spec("deepspeed")  # read, not imported (seconds)
+    if spec is None or spec.origin is None:
+        pytest.skip("deepspeed is not installed (the `deepspeed` extra)")
+    source = Path(spec.origin).read_text()
+    sets = set(re.findall(r"""os\.environ\.setdefault\(\s*["']([A-Z_]+)["']""", source))
+    assert sets >= SET_BY_DEEPSPEED
+    assert leaked({}, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}) == set()
