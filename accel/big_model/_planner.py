@@ -195,7 +195,8 @@ def execution_index(device_map: Mapping[str, Device], budgets: Mapping[Device, i
     it offloaded, still runs there, as the budget said it should), else "cpu"."""
     in_map = [d for d in device_map.values() if isinstance(d, int)]
     budgeted = [d for d, b in budgets.items() if isinstance(d, int) and b > 0]
-    return min(in_map or budgeted or ["cpu"])  # type: ignore[type-var]
+    accelerators = in_map or budgeted
+    return min(accelerators) if accelerators else "cpu"
 
 
 def ordered_devices(budgets: Mapping[Device, int]) -> list[Device]:
