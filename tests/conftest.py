@@ -13,11 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-# Variables torch itself writes once per process, the first time it needs them: importing
-# torch._dynamo (which `torch.compile` does) runs torch._inductor's `cache_dir()`, which sets
-# TORCHINDUCTOR_CACHE_DIR to its default. Not a leak of the test that happens to compile first,
-# and left in place: torch's compile workers read it from the environment.
-SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+from tests.env_guard import leaked
 
 PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
 
@@ -37,13 +33,7 @@ def _no_leaks() -> Iterator[None]:
     leaked_group = dist.is_available() and dist.is_initialized()
     if leaked_group:
         dist.destroy_process_group()
-    changed = {
-        k
-        for k in before.keys() | os.environ.keys()
-        if before.get(k) != os.environ.get(k)
-        and k != "PYTEST_CURRENT_TEST"  # pytest's own
-        and not (k in SET_BY_TORCH and k not in before)  # set by torch, never changed by it
-    }
+    changed = leaked(before, os.environ)  # tests/env_guard.py: what torch sets is no leak
     for k in changed:
         if k in before:
             os.environ[k] = before[k]

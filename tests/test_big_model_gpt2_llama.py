@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 import accel
-from tests.models import GPT2LMHead, ListModel, LlamaForCausalLM
+from tests.models import GPT2_124M, GPT2LMHead, ListModel, LlamaForCausalLM
 
 IDS = torch.tensor([[1, 5, 7, 2, 30, 200, 17, 3], [0, 3, 3, 9, 31, 255, 64, 8]])
 
@@ -235,3 +236,51 @@ def test_a_bf16_load_of_an_fp32_checkpoint_peaks_at_the_bf16_weights(tmp_path: P
     # The weights in bf16 (67 MB) plus what one chunk and the allocator take; mapping the fp32
     # file whole while casting would add its 134 MB.
     assert report["peak"] - report["start"] <= 1.3 * bf16, (report, bf16)
+
+
+# ---- item 5 of the GPU run: GPT-2 124M over a GPU budget smaller than its embedding ----------
+
+
+def test_gpt2_124m_over_a_small_gpu_budget_runs_its_offloaded_modules_on_the_gpu() -> None:
+    """{0: "120MB", "cpu": "20GB"}: the tied embedding (154 MB in fp32) fits no GPU budget, so
+    the whole model is offloaded; it must still run on GPU 0, with wte and lm_head together.
+    Before, the map held no accelerator, the model was loaded to the CPU unhooked, and the
+    first forward of GPU inputs failed (`index is on cuda:0, ... cpu (index_select)`)."""
+    from accel.big_model import _device_map, _dispatch, _planner
+
+    model = empty(partial(GPT2LMHead, GPT2_124M))  # type: ignore[arg-type]
+    budgets = _device_map.budgets("test", {0: "120MB", "cpu": "20GB"})
+    device_map = accel.infer_device_map(
+        model, max_memory=budgets, no_split=["GPT2Block"], strategy="balanced"
+    )
+    _dispatch.Layout(model).place("test", device_map)  # refuses tied weights split apart
+    unit = partial(_dispatch._unit_of, device_map=device_map)
+    assert device_map[unit("lm_head.weight")] == device_map[unit("transformer.wte.weight")]
+    offloaded = [n for n, _ in model.named_parameters() if device_map[unit(n)] in ("cpu", "disk")]
+    assert offloaded  # the embedding at least
+    assert _planner.execution_index(device_map, budgets) == 0
+    if not torch.cuda.is_available():  # the planned GPU is named, not silently replaced
+        with pytest.raises(ValueError, match=r"gives accelerator 0 memory, so the offloaded"):
+            _dispatch.execution_device(device_map, budgets)
+
+
+def test_a_planned_map_offloaded_whole_is_hooked_layer_by_layer(
+    gpt2: tuple[GPT2LMHead, Path],
+) -> None:
+    """A budget that fits nothing gives {"": "disk"}; each block (no_split) and each other
+    module with weights gets its own hook, so the execution device holds one layer's weights
+    at a time, not the whole model's (as the single unit "" did)."""
+    from accel.big_model._hooks import ATTR
+
+    reference, folder = gpt2
+    model = accel.dispatch_checkpoint(
+        empty(GPT2LMHead), folder, max_memory={"cpu": 1}, no_split=["GPT2Block"]
+    )
+    assert model.hf_device_map == {"": "disk"}
+    hooked = {n for n, m in model.named_modules() if hasattr(m, ATTR)}
+    blocks = {f"transformer.h.{i}" for i in range(12)}
+    assert hooked == {"transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"} | blocks
+    with torch.no_grad():
+        assert torch.equal(model(IDS), reference(IDS))
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied between forwards too
+    accel.remove_hooks(model)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import accel
 from accel import RunContext
@@ -95,6 +96,36 @@ def test_tied_weights_saved_once_and_restored_tied(tmp_path: Path) -> None:
     with torch.no_grad():
         fresh.embed.weight.add_(1)
     assert torch.equal(fresh.head.weight, model.embed.weight + 1)
+
+
+class _MovesCopy(TorchFunctionMode):
+    """Every move to the CPU makes a new tensor, as it does for a tensor on a GPU: on a CPU,
+    `t.cpu()` returns `t` itself, so code that finds ties after moving works here by luck."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        moves = func is torch.Tensor.cpu or (
+            func is torch.Tensor.to and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+        )
+        if moves and isinstance(out, torch.Tensor) and out is args[0]:
+            with torch._C.DisableTorchFunction():
+                return out.clone()
+        return out
+
+
+def test_save_model_of_a_model_elsewhere_keeps_ties_like_the_cpu_save(tmp_path: Path) -> None:
+    """An export does not depend on where the model sat: ties are found before the tensors
+    move to the CPU (a GPU save wrote the tied head twice, 6 shards against the CPU's 5)."""
+    torch.manual_seed(0)
+    model = TiedHeadLM()
+    accel.save_model(CTX, model, tmp_path / "here", max_shard_size=60)
+    with _MovesCopy():
+        accel.save_model(CTX, model, tmp_path / "moved", max_shard_size=60)
+    assert sorted(_snapshot(tmp_path / "moved")) == sorted(_snapshot(tmp_path / "here"))
+    assert _snapshot(tmp_path / "moved") == _snapshot(tmp_path / "here")
+    index = json.loads((tmp_path / "moved" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["tied"] == {"head.weight": "embed.weight"}
 
 
 @pytest.mark.slow

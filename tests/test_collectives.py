@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel import (
     RunContext,
@@ -25,6 +26,42 @@ def test_one_process_returns_its_input() -> None:
     assert pad_across_processes(ctx, tree["a"]) is tree["a"]
     assert gather_object(ctx, "x") == ["x"]
     assert broadcast_object(ctx, {"k": 1}) == {"k": 1}
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op that runs (a read of a tensor into Python is _local_scalar_dense;
+    on a GPU each such read, nonzero, or copy to the CPU waits for the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_process_collectives_run_no_tensor_op_so_never_wait_for_a_device() -> None:
+    """What tests/gpu counts with torch's sync debug mode (0 syncs for gather of CUDA tensors
+    at one process), seen on the CPU: nothing at all runs, so nothing can wait."""
+    from torch.utils.data import DataLoader
+
+    from accel import gather_for_metrics, shard_loader
+
+    ctx = RunContext.single()
+    tree = {"logits": torch.randn(4, 3), "labels": torch.arange(4)}
+    with _Ops() as seen:
+        gather(ctx, tree)
+        reduce(ctx, tree["logits"], op="mean")
+        broadcast(ctx, tree)
+        pad_across_processes(ctx, tree)
+    assert seen.ops == []
+    loader = shard_loader(ctx, DataLoader(torch.arange(10.0), batch_size=4))
+    for batch in loader:
+        preds = {"p": batch * 2}
+        with _Ops() as seen:
+            gather_for_metrics(ctx, preds, loader=loader)
+        assert set(seen.ops) <= {"aten.slice"}  # the last batch's real rows: a view
 
 
 def test_bad_arguments_name_the_argument() -> None:

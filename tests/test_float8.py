@@ -14,6 +14,7 @@ another name) and train (its loss falls).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import subprocess
 import sys
@@ -38,6 +39,9 @@ EXPECTED = {
         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
     )
 }  # fmt: skip  # every block Linear (dims multiples of 16); not the head `output` (32 x 32)
+# These models are far below the sizes where float8 gains (tests run them on a CPU): the
+# default filter would leave every layer in bf16, so they convert small layers too.
+SMALL = Float8Options(skip_small=False)
 
 
 def float8_names(model: nn.Module) -> set[str]:
@@ -50,6 +54,8 @@ def float8_names(model: nn.Module) -> set[str]:
 def train(ctx: RunContext, precision: str, **wrap: Any) -> tuple[list[float], nn.Module]:
     """The losses of STEPS AdamW steps on one repeated batch (the model can learn it)."""
     ctx = dataclasses.replace(ctx, precision=precision)  # type: ignore[arg-type]
+    if precision == "fp8":
+        wrap.setdefault("fp8", SMALL)
     model = accel.wrap_model(ctx, make_model(dim=DIM), **wrap)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = batches(1, BATCH)[0]
@@ -84,7 +90,7 @@ def test_fp8_trains_within_the_derived_tolerance_of_bf16_at_one_process() -> Non
 
 
 def test_the_default_filter_converts_block_linears_and_keeps_the_head() -> None:
-    model = accel.wrap_model(RunContext.single(precision="fp8"), make_model(dim=DIM))
+    model = accel.wrap_model(RunContext.single(precision="fp8"), make_model(dim=DIM), fp8=SMALL)
     assert float8_names(model) == EXPECTED
     assert type(model.output) is nn.Linear
 
@@ -93,8 +99,43 @@ def test_the_default_filter_skips_dims_not_multiples_of_16_and_the_last_linear()
     model = nn.Sequential(
         nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 16), nn.Linear(16, 16)
     )
-    wrapped = accel.wrap_model(RunContext.single(precision="fp8"), model)
+    wrapped = accel.wrap_model(RunContext.single(precision="fp8"), model, fp8=SMALL)
     assert float8_names(wrapped) == {"0"}  # 1, 2: 24 is no multiple of 16; 3: the last (head)
+
+
+SIZES = (16, 1008, 1024, 1040, 2048, 2064, 4096, 4112, 8192)  # torchao's edges, either side
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_the_default_filter_converts_what_torchaos_size_thresholds_say(recipe: str) -> None:
+    """Every (in, out) pair of SIZES against torchao's own auto filter for the recipe (torchao
+    has none for rowwise_with_gw_hp, which gains less than rowwise: rowwise's is the least)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    from accel.parallel._float8 import default_filter
+
+    pairs = [(k, n) for k in SIZES for n in SIZES]
+    layers = [nn.Linear(k, n, bias=False, device="meta") for k, n in pairs]
+    model = nn.ModuleDict({f"l{i}": m for i, m in enumerate(layers)} | {"lm_head": nn.Linear(2, 2)})
+    ours = default_filter(model, Float8Options(recipe=recipe))  # type: ignore[arg-type]
+    torchaos = _auto_filter_for_recipe(recipe.replace("_with_gw_hp", ""), filter_fqns=["lm_head"])
+    decisions = {f"l{i}": ours(m, f"l{i}") for i, m in enumerate(layers)}
+    assert decisions == {f"l{i}": torchaos(m, f"l{i}") for i, m in enumerate(layers)}
+    assert 0 < sum(decisions.values()) < len(pairs)
+    assert not ours(model.lm_head, "lm_head")
+
+
+def test_fp8_leaves_layers_too_small_to_gain_in_bf16() -> None:
+    """tensorwise: a 2048 -> 1024 Linear loses (torchao: K <= 4096 and N <= 1024), 1024 -> 2048
+    gains; skip_small=False converts both, and a user's filter still decides alone."""
+    model = nn.Sequential(nn.Linear(2048, 1024), nn.Linear(1024, 2048), nn.Linear(2048, 16))
+    fp8_ctx = RunContext.single(precision="fp8")
+    assert float8_names(accel.wrap_model(fp8_ctx, copy.deepcopy(model))) == {"1"}
+    assert float8_names(accel.wrap_model(fp8_ctx, copy.deepcopy(model), fp8=SMALL)) == {"0", "1"}
+    mine = Float8Options(module_filter_fn=lambda m, name: name == "0")
+    assert float8_names(accel.wrap_model(fp8_ctx, copy.deepcopy(model), fp8=mine)) == {"0"}
+    with pytest.raises(ValueError, match=r"skip_small=False\)"):
+        accel.wrap_model(fp8_ctx, nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)))
 
 
 def test_a_users_filter_replaces_the_default() -> None:
@@ -123,6 +164,12 @@ def test_fp8_autocasts_to_bf16_and_needs_no_scaler() -> None:
         ({"module_filter_fn": "lm_head"}, TypeError, "module_filter_fn='lm_head' is not callable"),
         ({"recipe": "delayed"}, ValueError, "recipe='delayed' is not one of"),
         ({"pad_inner_dim": 1}, TypeError, "pad_inner_dim=1 must be True or False"),
+        ({"skip_small": None}, TypeError, "skip_small=None must be True or False"),
+        (
+            {"skip_small": False, "module_filter_fn": lambda m, n: True},
+            ValueError,
+            "skip_small=False shapes the default filter",
+        ),
         (
             {"recipe": "rowwise", "enable_fsdp_float8_all_gather": True},
             ValueError,
@@ -147,7 +194,9 @@ def test_bad_uses_are_refused_by_name() -> None:
         accel.wrap_model(fp8_ctx, nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True\\) applies to FSDP2"):
         accel.wrap_model(
-            fp8_ctx, make_model(), fp8=Float8Options(enable_fsdp_float8_all_gather=True)
+            fp8_ctx,
+            make_model(),
+            fp8=Float8Options(enable_fsdp_float8_all_gather=True, skip_small=False),
         )
     with pytest.raises(TypeError, match=r"fp8=3 is not an accel\.Float8Options"):
         accel.wrap_model(fp8_ctx, make_model(), fp8=3)  # type: ignore[arg-type]

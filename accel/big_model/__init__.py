@@ -216,7 +216,11 @@ def dispatch_checkpoint(
 
     Each shard is opened once and its tensors go straight into place (no full state dict).
     Modules on "cpu" (when an accelerator runs the model) or "disk" get hooks that bring their
-    weights to the execution device for their forward. Disk weights are mapped in place from
+    weights to the execution device for their forward: the first accelerator of the map, or,
+    for a planned map, of the budgets (a model whose every module was offloaded still runs on
+    the accelerator `max_memory` names). A planned map's offloaded modules are hooked layer by
+    layer (each `no_split` module whole), so that device holds one layer at a time. Tied
+    weights are placed together. Disk weights are mapped in place from
     the safetensors file when possible, else written to `offload_dir` as numpy memmaps.
     CPU weights in the file's dtype stay memory-mapped from the shards (as safetensors returns
     them), so do not overwrite the checkpoint in place while the model is in use.
@@ -269,6 +273,8 @@ def dispatch_checkpoint(
     entries = _dispatch.checkpoint_entries(fn, checkpoint)
     layout = _dispatch.Layout(model)
     _dispatch.check_keys(fn, layout, entries, strict)
+    budgets: dict[Device, int] | None = None  # a planned map's: where offloaded modules run
+    layers: frozenset[str] | None = None  # a planned map's: offloaded modules hook per layer
     if isinstance(device_map, str):
         strategy = "balanced" if device_map == "auto" else device_map
         if strategy not in get_args(DeviceMapStrategy):
@@ -276,12 +282,10 @@ def dispatch_checkpoint(
                 f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
                 f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
             )
+        budgets = dm.budgets(fn, max_memory)
+        layers = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
         device_map = infer_device_map(
-            model,
-            max_memory=dm.budgets(fn, max_memory),
-            no_split=no_split,
-            dtype=torch_dtype,
-            strategy=strategy,
+            model, max_memory=budgets, no_split=layers, dtype=torch_dtype, strategy=strategy
         )
     elif not isinstance(device_map, Mapping):
         raise TypeError(
@@ -294,9 +298,9 @@ def dispatch_checkpoint(
             stacklevel=2,
         )
     placement = layout.place(fn, device_map)
-    execution = _dispatch.execution_device(device_map)
+    execution = _dispatch.execution_device(device_map, budgets)
     sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
-    _dispatch.hook(model, layout, device_map, sources, execution)
+    _dispatch.hook(model, layout, device_map, sources, execution, layers)
     object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
     return model
 

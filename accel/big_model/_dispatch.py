@@ -20,7 +20,7 @@ from accel.big_model._offload import (
     write_index,
     write_tensor,
 )
-from accel.big_model._planner import Device
+from accel.big_model._planner import Device, execution_index
 
 
 def check_unhooked(fn: str, model: nn.Module) -> None:
@@ -224,19 +224,27 @@ def hook(
     device_map: Mapping[str, Device],
     sources: Mapping[str, torch.Tensor | DiskTensor],
     execution: torch.device,
+    layers: frozenset[str] | None = None,
 ) -> None:
     """Offload hooks on each unit whose tensors have sources; input moves on other GPUs.
 
     A unit that is never called itself (an `nn.ModuleList`: no forward of its own) is hooked
-    through the modules under it that are called, each for the tensors under it.
+    through the modules under it that are called, each for the tensors under it. With
+    `layers` (the no-split class names of a planned map), an offloaded unit is hooked layer by
+    layer instead: each no-split module under it whole, and each other module for its own
+    tensors, so the execution device holds one layer's weights at a time whatever the planner
+    merged (a map of `{"": "cpu"}` would otherwise bring the whole model there at once).
     """
     modules = dict(model.named_modules())
     offloaded = [n for n in layout.tensors if layout.canonical[n] in sources]
     by_target: dict[str, list[Slot]] = {}
     for slot, name in zip(_slots(layout, offloaded, sources), offloaded, strict=True):
-        by_target.setdefault(_called_unit(name, _unit_of(name, device_map), modules), []).append(
-            slot
-        )
+        unit = _unit_of(name, device_map)
+        target = _called_unit(name, unit, modules)
+        if layers is not None:
+            layer = _layer_under(name, unit, modules, layers)
+            target = layer if layer not in modules or _runs_itself(modules[layer]) else target
+        by_target.setdefault(target, []).append(slot)
     for target, slots in by_target.items():
         attach(modules[target] if target in modules else layout.owner[target][0], slots, execution)
     for unit, device in device_map.items():
@@ -259,6 +267,22 @@ def _called_unit(name: str, unit: str, modules: Mapping[str, nn.Module]) -> str:
     parts = name.split(".")
     depth = len(unit.split(".")) if unit else 0
     while target in modules and not _runs_itself(modules[target]) and depth < len(parts) - 1:
+        depth += 1
+        target = ".".join(parts[:depth])
+    return target
+
+
+def _layer_under(
+    name: str, unit: str, modules: Mapping[str, nn.Module], layers: frozenset[str]
+) -> str:
+    """The module that brings tensor `name` of `unit` in: the first module from `unit` down
+    to the tensor whose class is in `layers` (never split), else the tensor's own module."""
+    parts = name.split(".")
+    depth = len(unit.split(".")) if unit else 0
+    target = unit
+    while depth < len(parts) - 1 and not (
+        target in modules and type(modules[target]).__name__ in layers
+    ):
         depth += 1
         target = ".".join(parts[:depth])
     return target
@@ -318,17 +342,28 @@ def _slots(
     return slots
 
 
-def execution_device(device_map: Mapping[str, Device]) -> torch.device:
-    accelerators = [d for d in device_map.values() if isinstance(d, int)]
+def execution_device(
+    device_map: Mapping[str, Device], budgets: Mapping[Device, int] | None = None
+) -> torch.device:
+    """The device offloaded modules run on (`_planner.execution_index`): with `budgets` (a
+    planned map), an accelerator given memory counts even when no module fitted on it."""
+    used = sorted({d for d in device_map.values() if isinstance(d, int)})
+    runs = execution_index(device_map, budgets or {})
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = sorted({d for d in accelerators if d >= count})
+    missing = [d for d in used if d >= count]
     if missing:
         raise ValueError(
             f"dispatch_checkpoint: the device map puts modules on accelerators {missing} but "
             f"this machine has {count} CUDA device(s). Plan with the budgets of this machine "
             '(max_memory=None), or map those modules to "cpu" or "disk".'
         )
-    return _torch_device(min(accelerators)) if accelerators else torch.device("cpu")
+    if isinstance(runs, int) and runs >= count:
+        raise ValueError(
+            f"dispatch_checkpoint: max_memory gives accelerator {runs} memory, so the offloaded "
+            f"modules would run there, but this machine has {count} CUDA device(s). Plan with "
+            "the budgets of this machine (max_memory=None), or drop it from max_memory."
+        )
+    return _torch_device(runs)
 
 
 def _torch_device(device: Device) -> torch.device:

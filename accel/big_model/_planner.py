@@ -189,6 +189,16 @@ def _split(item: Item, no_split: frozenset[str]) -> list[Item]:
     return _children(item, no_split, with_tensors=True)
 
 
+def execution_index(device_map: Mapping[str, Device], budgets: Mapping[Device, int]) -> Device:
+    """Where the modules on "cpu" and "disk" run: the first accelerator of the map, else the
+    first the budgets give memory to (a model too large for its accelerator's budget, all of
+    it offloaded, still runs there, as the budget said it should), else "cpu"."""
+    in_map = [d for d in device_map.values() if isinstance(d, int)]
+    budgeted = [d for d, b in budgets.items() if isinstance(d, int) and b > 0]
+    accelerators = in_map or budgeted
+    return min(accelerators) if accelerators else "cpu"
+
+
 def ordered_devices(budgets: Mapping[Device, int]) -> list[Device]:
     """Accelerators by index, then "cpu" (when budgeted), then "disk" (always)."""
     accelerators = sorted(d for d in budgets if isinstance(d, int))

@@ -184,7 +184,11 @@ def _get(member: tuple[nn.Module, str, str]) -> torch.Tensor:
 
 def write_model_files(directory: Path, state: Mapping[str, torch.Tensor], max_bytes: int) -> None:
     """Write the Hugging Face layout of a full state from this process, then publish it."""
-    tensors, aliases = dedupe_tied({k: v.detach().cpu() for k, v in state.items()})
+    # Ties are found where the tensors sit, then each kept tensor moves: from a GPU every
+    # `.cpu()` is a new tensor, so ties looked for after the move were never found there and
+    # a tied head was written twice (the export depended on the device the model sat on).
+    kept, aliases = dedupe_tied(state)
+    tensors = {k: v.detach().cpu() for k, v in kept.items()}
     directory.mkdir(parents=True, exist_ok=True)
     with export_lock(directory):
         publish_model_files("save_model", directory, tensors, aliases, max_bytes, write_file)

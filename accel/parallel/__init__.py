@@ -83,7 +83,8 @@ def wrap_model(
             `ctx.activation_checkpointing`, the launcher config's.
         fp8: which Linear layers torchao's float8 training converts when
             `ctx.precision == "fp8"` (before tensor parallel and FSDP2); default
-            `Float8Options()`: dims multiples of 16, not the output head.
+            `Float8Options()`: dims multiples of 16, large enough to gain from float8
+            (torchao's size thresholds), not the output head.
         deepspeed: with strategy="deepspeed", the DeepSpeed config and your optimizer
             (`DeepSpeedOptions`); the returned model is the DeepSpeed engine, and
             `accumulate`, `optimizer_step` and `clip_grad_norm_` route to it.

@@ -47,9 +47,11 @@ class Float8Options:
     """How `wrap_model` trains Linear layers in float8 when `ctx.precision == "fp8"`.
 
     The default converts every `nn.Linear` whose in and out features are multiples of 16 (what
-    float8 matmuls need) except the output head: the Linear named `lm_head` or `output`, or,
-    when none is, the last Linear registered. That is torchtitan's default and Accelerate's
-    (which keeps the first Linear in high precision too; pass a filter to do the same).
+    float8 matmuls need) and large enough to gain from float8 by torchao's size thresholds for
+    the recipe (`skip_small`), except the output head: the Linear named `lm_head` or `output`,
+    or, when none is, the last Linear registered. That is torchtitan's default with its
+    `auto_filter_small_kn`; Accelerate's keeps the first Linear in high precision too (pass a
+    filter to do the same).
 
     Example:
         >>> from accel import Float8Options
@@ -70,6 +72,11 @@ class Float8Options:
     pad_inner_dim: bool = True
     """Pad matmul dimensions to multiples of 16 for layers the filter converts that need it
     (Accelerate's default; torchao's is False)."""
+    skip_small: bool = True
+    """The default filter leaves in bf16 the Linear layers too small to gain from float8 (where
+    float8's casts cost more than its matmul saves): torchao's thresholds for the recipe,
+    `small_for_float8`. False converts them too (every Linear with dims multiples of 16 but the
+    head). A `module_filter_fn` decides alone."""
 
     def __post_init__(self) -> None:
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
@@ -83,10 +90,16 @@ class Float8Options:
                 f"Float8Options: recipe={self.recipe!r} is not one of {get_args(Recipe)} "
                 "(torchao's recipe names). Use recipe='tensorwise'."
             )
-        for name in ("enable_fsdp_float8_all_gather", "pad_inner_dim"):
+        for name in ("enable_fsdp_float8_all_gather", "pad_inner_dim", "skip_small"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name.startswith("enable")):
                 raise TypeError(f"Float8Options: {name}={value!r} must be True or False.")
+        if self.module_filter_fn is not None and not self.skip_small:
+            raise ValueError(
+                "Float8Options: skip_small=False shapes the default filter, and "
+                "module_filter_fn is given, which decides alone which layers convert. Drop "
+                "skip_small, or leave small layers out in module_filter_fn."
+            )
         if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(
                 f"Float8Options: enable_fsdp_float8_all_gather=True needs recipe='tensorwise' "
@@ -96,15 +109,37 @@ class Float8Options:
             )
 
 
-def default_filter(model: nn.Module) -> ModuleFilter:
-    """The default `module_filter_fn` for `model`: dims multiples of 16, not the output head."""
+def small_for_float8(recipe: Recipe, in_features: int, out_features: int) -> bool:
+    """True when a Linear of these sizes is too small to gain from float8 under `recipe`.
+
+    torchao's own thresholds, from its H100 microbenchmarks of a whole float8 Linear (casts
+    and scales included) against bf16: `_auto_filter_for_tensorwise` and
+    `_auto_filter_for_rowwise` in torchao/float8/float8_linear_utils.py (torchao 0.18; the
+    tables in torchao/float8/README.md, "Performance"). With K the in and N the out features:
+    tensorwise loses when K <= 4096 and N <= 1024; rowwise when N <= 2048, K <= 1024, or
+    N <= 4096 and K <= 2048. torchao has none for rowwise_with_gw_hp, whose forward and input
+    gradient matmuls are rowwise and whose weight gradient stays in bf16: it gains less than
+    rowwise, so rowwise's thresholds are the least it needs.
+    """
+    k, n = in_features, out_features
+    if recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+def default_filter(model: nn.Module, options: Float8Options) -> ModuleFilter:
+    """The default `module_filter_fn` for `model`: dims multiples of 16, large enough to gain
+    (unless `options.skip_small` is False), not the output head."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     heads = {n for n in linears if n.rsplit(".", 1)[-1] in HEAD_NAMES} or set(linears[-1:])
 
     def keep(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear) or name in heads:
             return False
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+        k, n = module.in_features, module.out_features
+        if k % 16 or n % 16:
+            return False
+        return not (options.skip_small and small_for_float8(options.recipe, k, n))
 
     return keep
 
@@ -154,7 +189,7 @@ def plan_float8(
             "fp8=Float8Options(module_filter_fn=...), or None for the default."
         )
     float8 = import_float8()
-    converted = _choose_layers(model, options.module_filter_fn or default_filter(model))
+    converted = _choose_layers(model, options)
     gather = options.enable_fsdp_float8_all_gather
     if gather and plan.data != "fsdp2":
         raise ValueError(
@@ -176,7 +211,8 @@ def plan_float8(
     return fp8_plan, dataclasses.replace(plan, tp_styles=styles)
 
 
-def _choose_layers(model: nn.Module, keep: ModuleFilter) -> frozenset[str]:
+def _choose_layers(model: nn.Module, options: Float8Options) -> frozenset[str]:
+    keep = options.module_filter_fn or default_filter(model, options)
     converted = set()
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -190,12 +226,18 @@ def _choose_layers(model: nn.Module, keep: ModuleFilter) -> frozenset[str]:
         if decision:
             converted.add(name)
     if not converted:
-        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+        linears = [
+            f"{n} ({m.in_features}->{m.out_features})"
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+        ][:8]
         raise ValueError(
             f"wrap_model: ctx.precision='fp8' but no nn.Linear of {type(model).__name__} passes "
             f"the float8 filter (its Linear layers: {linears}; the default converts those whose "
-            "in and out features are multiples of 16, except the output head). Pass "
-            "fp8=Float8Options(module_filter_fn=...), or train in precision='bf16'."
+            "in and out features are multiples of 16 and large enough to gain from float8 by "
+            f"torchao's thresholds for recipe={options.recipe!r}, except the output head). "
+            "Train in precision='bf16' (float8 would be slower), or convert them anyway with "
+            "fp8=Float8Options(skip_small=False) or Float8Options(module_filter_fn=...)."
         )
     return frozenset(converted)
 

@@ -19,7 +19,7 @@ import accel
 from accel import FSDPOptions, Parallelism
 from accel.testing import run_world
 from tests.models import TP_PLAN, Block, batches, full_param, lm_loss, make_model
-from tests.test_float8 import EXPECTED, check_tolerance, float8_names, train
+from tests.test_float8 import EXPECTED, SMALL, check_tolerance, float8_names, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -63,7 +63,8 @@ def _checkpoint_round_trip(ctx: accel.RunContext, folder: str) -> bool:
     import torch
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        model = accel.wrap_model(ctx, make_model(dim=32), fsdp=FSDPOptions(layer_classes=(Block,)))
+        fsdp = FSDPOptions(layer_classes=(Block,))
+        model = accel.wrap_model(ctx, make_model(dim=32), fsdp=fsdp, fp8=SMALL)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = build()
@@ -92,7 +93,7 @@ def _ddp_and_a_float8_only_unit(ctx: accel.RunContext, folder: str) -> dict[str,
     fsdp = FSDPOptions(layer_classes=(nn.Linear,))  # unit "0" holds one float8 weight alone
     fp8_ctx = dataclasses.replace(ctx, precision="fp8")
     try:
-        accel.wrap_model(fp8_ctx, model, fsdp=fsdp)
+        accel.wrap_model(fp8_ctx, model, fsdp=fsdp, fp8=SMALL)
         refusal = ""
     except NotImplementedError as err:
         refusal = str(err)

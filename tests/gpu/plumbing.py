@@ -261,6 +261,18 @@ def greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Ten
 # ---- host syncs --------------------------------------------------------------------------
 
 
+# What torch's sync debug mode warns with on each synchronizing call (c10/cuda's
+# warn_or_error_on_sync). Its first `set_sync_debug_mode` in a process also warns, once, that
+# the mode "does not yet detect all synchronizing operations": not a sync, and what the first
+# count of a process (gather's, on an H200) counted as one.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def syncs_in(messages: list[str]) -> int:
+    """How many of `messages` are torch's sync debug mode reporting a synchronizing call."""
+    return sum(m.startswith(SYNC_WARNING) for m in messages)
+
+
 def count_syncs(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, int | None]:
     """Run `fn`; on CUDA also count its synchronizing calls (torch's sync debug mode).
 
@@ -276,4 +288,4 @@ def count_syncs(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, int |
             out = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchronizing" in str(w.message) for w in caught)
+    return out, syncs_in([str(w.message) for w in caught])

@@ -72,3 +72,40 @@ def test_dispatched_model_equals_the_model_loaded_whole(
     assert torch.equal(logits, expected_logits)
     assert torch.equal(plumbing.greedy(model, prompt, NEW_TOKENS), expected_tokens)
     accel.remove_hooks(model)
+
+
+def test_transformers_gpt2_over_a_gpu_budget_smaller_than_its_embedding(
+    device: torch.device, tmp_path: Path
+) -> None:
+    """transformers' GPT2LMHeadModel (tied wte and lm_head), saved with save_pretrained, under
+    {0: "120MB", "cpu": "20GB"}: its 154 MB embedding fits no GPU budget, so every module is
+    offloaded, and each runs on the GPU, one layer's weights there at a time. On an H200 the
+    first forward failed: `index is on cuda:0, different from other tensors on cpu`. Under
+    the dry run a tiny config goes to disk and runs on the CPU."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if plumbing.on_gpu(device):
+        config, budget = GPT2Config(), {0: "120MB", "cpu": "20GB"}
+    else:
+        config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+        budget = {"cpu": 1}  # nothing fits: all of it on disk
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config).eval()
+    reference.save_pretrained(tmp_path)
+    prompt = torch.randint(0, config.vocab_size, (2, PROMPT), generator=torch.Generator())
+    prompt = prompt.to(device)
+    with torch.no_grad():
+        expected = reference.to(device)(prompt).logits
+    del reference
+    with accel.init_empty_weights():
+        empty = GPT2LMHeadModel(config)
+    model = accel.dispatch_checkpoint(
+        empty, tmp_path, device_map="auto", max_memory=budget, no_split=["GPT2Block"]
+    ).eval()
+    assert set(model.hf_device_map.values()) <= {"cpu", "disk"}  # nothing fitted on the GPU
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with torch.no_grad():
+        logits = model(prompt).logits
+    assert logits.device == device
+    assert torch.equal(logits, expected)
+    accel.remove_hooks(model)
