@@ -69,7 +69,9 @@ def run(argv: Sequence[str]) -> None:
             record(err, error_file)
         raise
     except KeyboardInterrupt:
-        raise
+        # Ctrl-C reaches the launcher and every worker at once: the launcher says so in one
+        # line, so a worker leaves without its traceback, with the shell's code for SIGINT.
+        raise SystemExit(130) from None
     except BaseException as err:
         record(err, error_file)
         tb = _script_frames(err.__traceback__)

@@ -20,9 +20,12 @@ _TRAINER_ONLY_FROM_ARGS = (
 )
 
 
-def accelerate_environment(config: _config.Config) -> tuple[dict[str, str], list[str]]:
+def accelerate_environment(
+    config: _config.Config, *, trainer: bool = True
+) -> tuple[dict[str, str], list[str]]:
     """The `ACCELERATE_*` variables for `config`, and a warning for each setting that does not
-    reach every library built on Accelerate."""
+    reach every library built on Accelerate (those that concern transformers' Trainer only when
+    `trainer`: the script uses one)."""
     precision = "no" if config.mixed_precision == "fp32" else config.mixed_precision
     env = {
         "ACCELERATE_MIXED_PRECISION": precision,
@@ -32,7 +35,7 @@ def accelerate_environment(config: _config.Config) -> tuple[dict[str, str], list
     if config.mixed_precision == "fp8":
         env["ACCELERATE_FP8_BACKEND"] = "AO"  # the only fp8 backend accel trains with
     warnings = []
-    if config.gradient_accumulation_steps > 1:
+    if trainer and config.gradient_accumulation_steps > 1:
         warnings.append(_TRAINER_ONLY_FROM_ARGS.format(steps=config.gradient_accumulation_steps))
     dynamo = dict(config.dynamo_config)
     if str(dynamo.get("dynamo_backend", "NO")).upper() != "NO":

@@ -1,4 +1,8 @@
-"""`accel env`: versions, devices, memory and the config in force, for bug reports."""
+"""`accel env`: versions, devices, memory and the config in force, for bug reports.
+
+The versions come first and are printed before the config is read, so a config that does not
+parse still leaves them on the screen above its one-line error.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,12 @@ from accel import config as _config
 
 # The name accel is installed under (`pip install accel-train`); `import accel` is unchanged.
 DISTRIBUTION = "accel-train"
+# accel's optional integrations (its extras: pyproject.toml), and the libraries scripts that
+# come from Accelerate pair it with; each is reported with its version or "not installed".
+OPTIONAL_PACKAGES = (
+    "tensorboard", "tqdm", "wandb", "mlflow-skinny", "trackio", "torchao", "deepspeed",
+    "ray", "transformers", "accelerate", "datasets",
+)  # fmt: skip
 
 
 def _version(package: str) -> str:
@@ -28,7 +38,8 @@ def _memory_gib() -> str:
     return f"{pages * size / 2**30:.1f} GiB"
 
 
-def report() -> str:
+def versions() -> str:
+    """Versions of accel, torch, Python and every optional package, devices and memory."""
     import torch
 
     import accel  # imported on use: `accel --help` should not pay for torch
@@ -38,6 +49,8 @@ def report() -> str:
         f"- torch: {torch.__version__}",
         f"- Python: {platform.python_version()} ({platform.platform()})",
         *(f"- {p}: {_version(p)}" for p in ("numpy", "safetensors", "pyyaml")),
+        "- optional packages:",
+        *(f"  - {p}: {_version(p)}" for p in OPTIONAL_PACKAGES),
         f"- CPU cores: {os.cpu_count()}, memory: {_memory_gib()}",
         f"- torch.distributed: {torch.distributed.is_available()}, gloo: "
         f"{torch.distributed.is_gloo_available()}, nccl: {torch.distributed.is_nccl_available()}",
@@ -47,6 +60,12 @@ def report() -> str:
         props = torch.cuda.get_device_properties(i)
         lines.append(f"  - cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
     lines.append(f"- MPS available: {torch.backends.mps.is_available()}")
+    return "\n".join(lines)
+
+
+def settings() -> str:
+    """The config in force and the `ACCEL_*` variables; raises on a config that does not parse."""
+    lines = []
     path = _config.config_in_force()  # the file `accel launch` reads, Accelerate's included
     if path is not None:
         lines.append(f"- Config in force: {path}")
@@ -62,6 +81,11 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def report() -> str:
+    return f"{versions()}\n{settings()}"
+
+
 def run(args: argparse.Namespace) -> int:
-    print(report())
+    print(versions(), flush=True)  # before the config, which may be the problem reported
+    print(settings())
     return 0

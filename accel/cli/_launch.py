@@ -8,13 +8,15 @@ spawning, restarts and rendezvous.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from accel import _env_vars
 from accel import config as _config
 from accel.cli._accelerate_env import accelerate_environment
+from accel.cli._script import check_script, uses_trainer
 from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
@@ -187,27 +190,63 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
     return env
 
 
+# What torchrun's agent logs while it stops the workers on a signal (Ctrl-C, a scheduler's
+# SIGTERM): one line per worker and one for itself, where `run` says it once.
+_SHUTDOWN_LOGS = MappingProxyType(
+    {
+        "torch.distributed.elastic.agent.server.api": (
+            "Received %s death signal, shutting down workers"
+        ),
+        "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
+    }
+)
+
+
+def _drop_shutdown_log(record: logging.LogRecord) -> bool:
+    return record.msg != _SHUTDOWN_LOGS.get(record.name)
+
+
+@contextlib.contextmanager
+def _quiet_shutdown() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _SHUTDOWN_LOGS]
+    for logger in loggers:
+        logger.addFilter(_drop_shutdown_log)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_drop_shutdown_log)
+
+
 def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     config = resolve_config(args)
     _config.check_launch_environment(config)
     argv = torchrun_argv(config, args)
+    check_script(args.script, module=args.module)  # one line here, not one error per worker
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
-    accelerate_env, unreachable = accelerate_environment(config)
+    trainer = uses_trainer(args.script, module=args.module)
+    accelerate_env, unreachable = accelerate_environment(config, trainer=trainer)
     os.environ.update(accelerate_env)
     for line in unreachable:
         print(f"accel launch: warning: {line}", file=sys.stderr)
     try:
-        torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
+        with _quiet_shutdown():
+            torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
         print(failure_summary(err.failures), file=sys.stderr)
         return 1
+    except SignalException as err:  # the agent has stopped its workers before raising this
+        name = signal.Signals(err.sigval).name
+        print(f"accel launch: stopped by {name}; the workers were stopped.", file=sys.stderr)
+        return 128 + int(err.sigval)
     return 0
 
 

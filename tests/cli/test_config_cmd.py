@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from accel.config import Config, as_mapping, load_config
@@ -94,3 +95,18 @@ def test_an_existing_config_is_kept_without_force(tmp_path: Path) -> None:
         assert "?" not in out.stdout  # refused before asking anything
     forced = accel_cli(tmp_path, "config", "--config_file", str(target), "--default", "--force")
     assert forced.returncode == 0 and load_config(target) == Config()
+
+
+@pytest.mark.slow
+def test_env_with_a_bad_config_prints_the_versions_before_the_error(tmp_path: Path) -> None:
+    # A bug report's first command: the versions are what the reader needs even when the config
+    # in force is what broke (issue 37 item 8).
+    path = _accelerate_default(tmp_path, "mixed_precision: fp64\nnum_processes: 2\n")
+    env = accel_cli(tmp_path, "env")
+    assert env.returncode == 2, env.stdout
+    assert "- torch: " in env.stdout and "- optional packages:" in env.stdout
+    for package in ("transformers", "accelerate", "datasets", "deepspeed", "wandb", "torchao"):
+        assert f"  - {package}: " in env.stdout, package
+    error = env.stderr.splitlines()
+    assert len(error) == 1 and error[0].startswith("accel env: error: "), env.stderr
+    assert ("fp64" in error[0] and str(path) in error[0]) or "mixed_precision" in error[0]

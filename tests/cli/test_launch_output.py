@@ -1,0 +1,125 @@
+"""What `accel launch` prints: one line where one is due (issue 37 items 7 and 12).
+
+Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the launcher, torchrun's
+agent inside it and every worker. A script that cannot start (no such module, a syntax error) is
+refused before any worker starts, in one line naming the module, or the file and line. The
+warning about transformers' Trainer and accumulation shows only for a script that uses one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accel.cli._script import uses_trainer
+from tests.cli.test_cli import _env, accel_cli
+from tests.processes import alive, descendants
+
+SLEEPER = """
+import time
+import accel
+
+ctx = accel.init_distributed()
+print(f"ready {ctx.rank}", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_during_a_two_process_launch_prints_one_line_and_exits_130(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
+        env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,  # its own group, as a terminal's foreground job
+    )  # fmt: skip
+    try:
+        assert launch.stdout is not None
+        ready = [launch.stdout.readline() for _ in range(2)]
+        assert sorted(ready) == ["ready 0\n", "ready 1\n"], ready
+        workers = descendants(launch.pid)
+        assert len(workers) >= 2, workers
+        os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C does
+        out, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+    assert launch.returncode == 130, err
+    # torchrun's banner about OMP_NUM_THREADS comes at the start, before any worker runs
+    after_start = [line for line in err.splitlines() if "torch/distributed/run.py" not in line]
+    assert after_start == ["accel launch: stopped by SIGINT; the workers were stopped."], err
+    assert out == ""
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)], "workers outlived the launcher"
+
+
+@pytest.mark.slow
+def test_launch_of_a_missing_module_is_one_line_and_starts_no_worker(tmp_path: Path) -> None:
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", "-m", "no_such_module")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "no_such_module" in lines[0] and "accel launch: error:" in lines[0]
+    assert "torch/distributed" not in out.stderr  # no worker, no agent ran
+
+
+@pytest.mark.slow
+def test_launch_of_a_script_with_a_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import os\n\nx = (\n")
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert f"{script}, line 3" in lines[0], lines[0]
+    assert "torch/distributed" not in out.stderr
+
+
+@pytest.mark.slow
+def test_launch_of_a_module_in_the_working_folder_still_runs(tmp_path: Path) -> None:
+    # python -m looks in the working folder first; the check before the launch must too
+    (tmp_path / "mine.py").write_text("import accel\nprint('ran', accel.init_distributed().rank)\n")
+    out = accel_cli(tmp_path, "launch", "--num_processes", "1", "-m", "mine")
+    assert out.returncode == 0, out.stderr
+    assert "ran 0" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from transformers import Trainer, TrainingArguments\n", True),
+        ("from transformers.trainer_seq2seq import Seq2SeqTrainer\n", True),
+        ("import transformers as tf\ntrainer = tf.Trainer(model=None)\n", True),
+        ("from trl import SFTTrainer\n", True),
+        ("from transformers import AutoModel\nimport accel\n", False),
+        ("import torch\nclass Trainer: ...\n", False),  # the script's own class
+    ],
+)
+def test_a_script_uses_a_trainer_only_when_it_imports_one(
+    tmp_path: Path, source: str, expected: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert uses_trainer(str(script), module=False) is expected
+
+
+@pytest.mark.slow
+def test_accumulation_without_a_trainer_launches_without_the_trainer_warning(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("import accel\nprint(accel.init_distributed(grad_accum_steps=None).rank)\n")
+    out = accel_cli(tmp_path, "launch", "--gradient_accumulation_steps", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert "Trainer" not in out.stderr, out.stderr
