@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from accel._world import start_world
 from accel.context import Parallelism
-from accel.testing import _start_world
 
 __all__ = ["notebook_launch"]
 
@@ -61,7 +61,7 @@ def notebook_launch(
         >>> # -> [loss on rank 0, loss on rank 1]
     """
     chosen = _check(fn, num_processes, device, timeout)
-    return _start_world(
+    return start_world(
         fn, num_processes, float(timeout), args, parallelism,
         start_method="fork", device_type=chosen, caller="notebook_launch",
     )  # fmt: skip
