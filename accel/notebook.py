@@ -9,6 +9,7 @@ with its traceback attached, and the results returned in rank order.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -61,6 +62,10 @@ def notebook_launch(
         >>> # -> [loss on rank 0, loss on rank 1]
     """
     chosen = _check(fn, num_processes, device, timeout)
+    # The ranks are forked, so they inherit the modules this process has. DDP's constructor
+    # imports torch._dynamo (with torch.distributed.fsdp: over 800 modules, about 1.5 s of CPU
+    # per process); imported here once per kernel, no rank of this or a later launch pays it.
+    importlib.import_module("torch._dynamo")
     return start_world(
         fn, num_processes, float(timeout), args, parallelism,
         start_method="fork", device_type=chosen, caller="notebook_launch",

@@ -7,6 +7,7 @@ plan exists, so a bad argument never leaves a half-wrapped model behind.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -58,11 +59,12 @@ class WrapPlan:
 
 def is_wrapped(model: nn.Module) -> str | None:
     """The wrapper around `model` (DDP, FSDP2, torch.compile), or None."""
-    from torch.distributed.fsdp import FSDPModule  # on use: importing FSDP costs start-up time
-
     if isinstance(model, DistributedDataParallel):
         return "DistributedDataParallel"
-    if isinstance(model, FSDPModule):
+    # A model is an FSDPModule only once torch.distributed.fsdp was imported, which costs
+    # seconds per process (it pulls in torch._dynamo): never import it just to ask.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
         return "FSDP2 (fully_shard)"
     if hasattr(model, "_orig_mod"):
         return "torch.compile"
