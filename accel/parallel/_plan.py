@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
+from accel._mesh import check_cp
 from accel._parallelism import CompileMode, FSDPOptions, Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
@@ -84,6 +85,9 @@ def make_plan(
 ) -> WrapPlan:
     """Validate every argument against the context and the model; decide every step."""
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
+    # Before anything that needs the mesh or the group: a context built by hand may have
+    # neither, and the argument at fault is the one to name.
+    check_cp("wrap_model", p, ctx.device.type, arg="ctx.parallelism")
     _tp.check_plan(tp_plan)
     data, tp = _choose(ctx, p, strategy, tp_plan=tp_plan, fsdp=fsdp, ddp=ddp)
     options = fsdp or FSDPOptions()
@@ -166,6 +170,15 @@ def _choose(
             "DDP would keep full replicas on ranks meant to share. Use strategy='auto'."
         )
     tp = p.tp > 1 and strategy != "none"  # "none" is device placement only
+    if tp and isinstance(tp_plan, Mapping) and not tp_plan:
+        # An empty plan would split nothing and leave tp ranks holding whole replicas that
+        # no collective keeps in step: silently not tensor parallel.
+        raise ValueError(
+            f"wrap_model: tp_plan={{}} names no module to split, and ctx.parallelism has "
+            f"tp={p.tp}; expected at least one pattern, e.g. "
+            "tp_plan={'layers.*.attention.wq': 'colwise'}, or tp_plan='auto' for a Hugging Face "
+            "model. To train without tensor parallelism use Parallelism(tp=1)."
+        )
     if tp and tp_plan is None:
         raise ValueError(
             f"wrap_model: ctx.parallelism has tp={p.tp} but tp_plan=None; pass the layers to "
