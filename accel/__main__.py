@@ -1,6 +1,6 @@
 """`python -m accel ...` is the same as the `accel` command."""
 
-from accel.cli import main
+from accel_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -9,15 +9,18 @@ import torch.distributed as dist
 from accel.context import Parallelism, RunContext
 
 
-def check_cp(owner: str, parallelism: Parallelism, device_type: str) -> None:
-    """Refuse context parallelism where torch has no implementation to run it."""
+def check_cp(
+    owner: str, parallelism: Parallelism, device_type: str, *, arg: str = "parallelism"
+) -> None:
+    """Refuse context parallelism where torch has no implementation to run it; the error names
+    `owner` and the argument `arg` that carried the Parallelism."""
     if parallelism.cp > 1 and device_type != "cuda":
         # torch's context_parallel rewrites SDPA into ring attention over the CUDA flash and
         # efficient kernels. On torch 2.13's CPU build it fails with "Operator
         # aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
         # strategy registered" (checked with gloo at 2 ranks), so cp is refused up front.
         raise NotImplementedError(
-            f"{owner}: parallelism cp={parallelism.cp} needs CUDA devices (torch's "
+            f"{owner}: {arg}.cp={parallelism.cp} needs CUDA devices (torch's "
             "context_parallel ring attention runs on the CUDA SDPA kernels only); this run is "
             f"on {device_type!r}. Use cp=1 here (fold those ranks into dp_shard or tp)."
         )

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._deepspeed_flags import WINDOW_OPEN
 from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext, along
-from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
+from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = ["accumulate", "num_items_in_batch", "should_sync"]
 

@@ -9,14 +9,15 @@ with its traceback attached, and the results returned in rank order.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
+from accel._world import start_world
 from accel.context import Parallelism
-from accel.testing import _start_world
 
 __all__ = ["notebook_launch"]
 
@@ -61,7 +62,11 @@ def notebook_launch(
         >>> # -> [loss on rank 0, loss on rank 1]
     """
     chosen = _check(fn, num_processes, device, timeout)
-    return _start_world(
+    # The ranks are forked, so they inherit the modules this process has. DDP's constructor
+    # imports torch._dynamo (with torch.distributed.fsdp: over 800 modules, about 1.5 s of CPU
+    # per process); imported here once per kernel, no rank of this or a later launch pays it.
+    importlib.import_module("torch._dynamo")
+    return start_world(
         fn, num_processes, float(timeout), args, parallelism,
         start_method="fork", device_type=chosen, caller="notebook_launch",
     )  # fmt: skip

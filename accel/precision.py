@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel._deepspeed_flags import WINDOW_OPEN
 from accel._dtensor import is_dtensor
 from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext, along
 from accel.parallel import check_optimizer
-from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
+from accel.parallel.deepspeed import deepspeed_engine
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler

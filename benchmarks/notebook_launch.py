@@ -18,12 +18,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import accel
 from accel.testing import run_world
 
 
 def meet(ctx: accel.RunContext) -> int:
     accel.wait_for_everyone(ctx)
+    return ctx.rank
+
+
+def ddp_step(ctx: accel.RunContext) -> int:
+    model = accel.wrap_model(ctx, torch.nn.Linear(8, 8))
+    model(torch.ones(4, 8)).sum().backward()
     return ctx.rank
 
 
@@ -42,7 +50,12 @@ def main() -> None:
         "notebook_launch (fork)": lambda: accel.notebook_launch(
             meet, num_processes=2, device="cpu", timeout=300
         ),
+        "notebook_launch, DDP step (fork)": lambda: accel.notebook_launch(
+            ddp_step, num_processes=2, device="cpu", timeout=300
+        ),
     }
+    first = _time(starts["notebook_launch, DDP step (fork)"])
+    print(f"first DDP launch in this process: {first:.3f} s (imports torch._dynamo once)\n")
     times: dict[str, list[float]] = {name: [] for name in starts}
     for r in range(runs):
         order = list(starts) if r % 2 == 0 else list(reversed(starts))

@@ -104,6 +104,37 @@ def test_notebook_launch_forks_and_returns_rank_ordered_results() -> None:
     assert results == [(0, 2, "cpu", 7), (1, 2, "cpu", 7)]
 
 
+# In a fresh interpreter, as a notebook kernel is: this test process has imported much more.
+DDP_LAUNCH = """
+import sys
+import torch, accel
+
+def fn(ctx):
+    before = set(sys.modules)
+    model = accel.wrap_model(ctx, torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    return sorted(m for m in set(sys.modules) - before if m.startswith(HEAVY))
+
+# What DDP's constructor imports, through torch._dynamo: seconds of imports per process.
+HEAVY = ("torch._dynamo", "torch.distributed.fsdp", "torch._inductor", "sympy")
+print(accel.notebook_launch(fn, num_processes=2, device="cpu", timeout=240))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_ddp_launch_imports_no_fsdp_or_dynamo_in_the_ranks() -> None:
+    # DDP's constructor imports torch._dynamo, which imports torch.distributed.fsdp: 1.5 s of
+    # CPU per rank, the whole of a launch's 5.5 to 6.3 s (on 2 cores) when each forked rank paid
+    # it. notebook_launch imports it once in the kernel, so the ranks inherit it.
+    run = subprocess.run(
+        [sys.executable, "-c", DDP_LAUNCH], capture_output=True, text=True, timeout=280
+    )
+    assert run.returncode == 0, run.stderr
+    imported = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    assert imported == [[], []], "modules each rank imported in wrap_model and its first step"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

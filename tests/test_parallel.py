@@ -33,6 +33,13 @@ def _ctx(**sizes: int) -> RunContext:
         ({"tp": 2}, {"tp_plan": {"layers.*.attention.wq": "sequence"}}, ValueError,
          r"tp_plan\['layers\.\*\.attention\.wq'\]='sequence' is not a style accel applies"),
         ({"tp": 2}, {}, ValueError, r"ctx\.parallelism has tp=2 but tp_plan=None"),
+        # Issue 37 item 12: these two spoke of the mesh and the process group, not the argument.
+        ({"tp": 2}, {"tp_plan": {}}, ValueError,
+         r"wrap_model: tp_plan=\{\} names no module to split, and ctx\.parallelism has tp=2; "
+         r"expected at least one pattern.*Parallelism\(tp=1\)"),
+        ({"cp": 2}, {}, NotImplementedError,
+         r"wrap_model: ctx\.parallelism\.cp=2 needs CUDA devices .* this run is on "
+         r"'cpu'\. Use cp=1"),
         ({"dp_shard": 2}, {"tp_plan": TP_PLAN}, ValueError,
          r"tp_plan was given but nothing is split"),
         ({"tp": 2}, {"tp_plan": TP_PLAN, "fsdp": FSDPOptions()}, ValueError,

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.parallel.deepspeed import WINDOW_OPEN, deepspeed_engine
+from accel._deepspeed_flags import WINDOW_OPEN
+from accel.parallel.deepspeed import deepspeed_engine
 
 
 def engine_state(engine: Any) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from accel import _env_vars
 from accel import config as _config
 from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._script import check_script, uses_trainer
-from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
+from accel_cli._flags import LAUNCH_OVERRIDES, SECTION_FLAGS
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the

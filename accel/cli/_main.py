@@ -1,14 +1,15 @@
-"""Run a parsed `accel` command line: the subcommand's module is imported only when it runs."""
+"""Run a parsed `accel` command line: the subcommand's module is imported only when it runs.
+
+The parser and the entry point are `accel_cli`'s (`accel_cli.main` parses, then calls `run`);
+this package imports only `accel_cli._flags` from it, so the two packages form no circle.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
 from types import MappingProxyType
-
-from accel_cli import build_parser
 
 # Errors that mean "the user asked for something invalid", or a file or disk that cannot serve
 # it (OSError: a full disk, a file where a folder must be): reported in one line.
@@ -36,9 +37,3 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `accel` command line and return its exit code."""
-    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
-    return run(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from accel.cli import _launch
-from accel_cli import LAUNCH_OVERRIDES
+from accel_cli._flags import LAUNCH_OVERRIDES
 
 
 def run(args: argparse.Namespace) -> int:

@@ -97,12 +97,14 @@ def wrap_model(
     Raises:
         ValueError: for an unknown `strategy`, a model that is already wrapped, options for
             another strategy, a strategy or plan that contradicts `ctx.parallelism`, a tp plan
-            naming no module or a tp size not dividing a split dimension, a layer or block
-            class matching nothing, a meta model under DDP, or "fsdp2" without a process group.
+            that is empty or names no module, a tp size not dividing a split dimension, a layer
+            or block class matching nothing, a meta model under DDP, or "fsdp2" without a
+            process group.
         TypeError: for a `model` that is not an `nn.Module`, a `tp_plan` that is not a dict of
             str patterns, or an `activation_checkpointing` of another type.
         NotImplementedError: for DDP combined with tensor parallelism, offload_params on a
-            CPU run, or (fp8) a tp style torchao has no float8 twin of.
+            CPU run, context parallelism (cp > 1) off CUDA, or (fp8) a tp style torchao has no
+            float8 twin of.
         ImportError: for ctx.precision="fp8" without torchao (`accel-train[fp8]`).
         RuntimeError: for "ddp" when no process group is initialised, or a split world
             without a DeviceMesh.

@@ -9,10 +9,11 @@ import weakref
 
 from torch import nn
 
+from accel._deepspeed_flags import ENGINE_REF
 from accel.context import RunContext
 from accel.parallel._deepspeed_config import engine_config, resolve_config
 from accel.parallel._deepspeed_ops import build_ops, import_deepspeed
-from accel.parallel.deepspeed import ENGINE_REF, DeepSpeedOptions
+from accel.parallel.deepspeed import DeepSpeedOptions
 
 
 def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions) -> nn.Module:

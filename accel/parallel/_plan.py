@@ -7,6 +7,7 @@ plan exists, so a bad argument never leaves a half-wrapped model behind.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -15,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
+from accel._mesh import check_cp
 from accel._parallelism import CompileMode, FSDPOptions, Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
@@ -58,11 +60,12 @@ class WrapPlan:
 
 def is_wrapped(model: nn.Module) -> str | None:
     """The wrapper around `model` (DDP, FSDP2, torch.compile), or None."""
-    from torch.distributed.fsdp import FSDPModule  # on use: importing FSDP costs start-up time
-
     if isinstance(model, DistributedDataParallel):
         return "DistributedDataParallel"
-    if isinstance(model, FSDPModule):
+    # A model is an FSDPModule only once torch.distributed.fsdp was imported, which costs
+    # seconds per process (it pulls in torch._dynamo): never import it just to ask.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
         return "FSDP2 (fully_shard)"
     if hasattr(model, "_orig_mod"):
         return "torch.compile"
@@ -82,6 +85,9 @@ def make_plan(
 ) -> WrapPlan:
     """Validate every argument against the context and the model; decide every step."""
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
+    # Before anything that needs the mesh or the group: a context built by hand may have
+    # neither, and the argument at fault is the one to name.
+    check_cp("wrap_model", p, ctx.device.type, arg="ctx.parallelism")
     _tp.check_plan(tp_plan)
     data, tp = _choose(ctx, p, strategy, tp_plan=tp_plan, fsdp=fsdp, ddp=ddp)
     options = fsdp or FSDPOptions()
@@ -164,6 +170,15 @@ def _choose(
             "DDP would keep full replicas on ranks meant to share. Use strategy='auto'."
         )
     tp = p.tp > 1 and strategy != "none"  # "none" is device placement only
+    if tp and isinstance(tp_plan, Mapping) and not tp_plan:
+        # An empty plan would split nothing and leave tp ranks holding whole replicas that
+        # no collective keeps in step: silently not tensor parallel.
+        raise ValueError(
+            f"wrap_model: tp_plan={{}} names no module to split, and ctx.parallelism has "
+            f"tp={p.tp}; expected at least one pattern, e.g. "
+            "tp_plan={'layers.*.attention.wq': 'colwise'}, or tp_plan='auto' for a Hugging Face "
+            "model. To train without tensor parallelism use Parallelism(tp=1)."
+        )
     if tp and tp_plan is None:
         raise ValueError(
             f"wrap_model: ctx.parallelism has tp={p.tp} but tp_plan=None; pass the layers to "

@@ -15,14 +15,9 @@ from typing import Any
 
 import torch
 
+from accel._deepspeed_flags import ENGINE_REF
+
 __all__ = ["DeepSpeedOptions", "build_deepspeed_ops", "deepspeed_engine"]
-
-ENGINE_REF = "_accel_deepspeed_engine"
-"""The attribute wrap_model sets on the optimizers it hands to the engine: a weak reference."""
-
-WINDOW_OPEN = "_accel_window_open"
-"""Set on an engine by `accumulate` inside an accumulation window, cleared by its step: ZeRO's
-partial gradients are not in a checkpoint, so save_state refuses there."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -363,7 +363,7 @@ def _save_state_sharded(ctx: RunContext, directory: str) -> dict[str, torch.Tens
 def test_merge_weights_of_a_sharded_checkpoint_loads_with_equal_parameters(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from accel.cli import main
+    from accel_cli import main
 
     src, dst = tmp_path / "state", tmp_path / "merged"
     trained = run_world(_save_state_sharded, world_size=2, timeout=TIMEOUT, args=(str(src),))[0]
