@@ -1,0 +1,196 @@
+"""The device canary: on a CPU, tell the run's device from the host as a GPU would.
+
+On a CPU every tensor is on the same device, so a tensor made on the default device (the host)
+meeting a model on `ctx.device` computes happily here and fails on the first GPU. Under
+`DeviceCanary` the run's device is `torch.device("cpu", 0)`: CPU memory and real values, so
+accel's CPU code paths run and losses are real, but a device of its own. A torch function mode
+records where each tensor's memory lives:
+
+- on the run's device: what is created with `device=` that device (or `x.device` of a tensor on
+  it), moved there with `.to(...)`, or computed from such tensors;
+- on the host: what is created without a device (the default device, as on a GPU machine),
+  with `device="cpu"`, moved with `.cpu()` / `.to("cpu")`, or computed from host tensors only.
+
+An op that mixes the two (a host tensor that is not a 0-dim scalar, which CUDA kernels accept)
+raises the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device. The
+record is kept per storage (weakly), so views, `nn.Parameter`s and `.data` share their tensor's
+place. Tensors made where the mode cannot see (before it started, in other processes, by
+autograd) are unknown until an op places them, and never raise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, resolve_name
+
+__all__ = ["CANARY_DEVICE", "DeviceCanary", "canary_device"]
+
+# The run's device under the canary. Index 0 makes it differ from the host's torch.device("cpu")
+# (a tensor made on it is a CPU tensor; its `.device` reads cpu:0 under the canary).
+CANARY_DEVICE = torch.device("cpu", 0)
+
+Place = Literal["device", "host"]
+
+_DEVICE_GET = torch.Tensor.device.__get__
+# Ops that legitimately take tensors from both places (copies between devices).
+_MOVES_ALLOWED = frozenset(
+    {
+        torch.Tensor.copy_,
+        torch.Tensor.new_tensor,
+        torch.Tensor.set_,
+        torch.Tensor.__deepcopy__,
+        torch.Tensor.__reduce_ex__,
+        torch._has_compatible_shallow_copy_type,
+    }
+)
+_INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
+_TO_NUMPY: tuple[Any, ...] = (torch.Tensor.numpy, torch.Tensor.__array__)
+
+
+def canary_device() -> torch.device | None:
+    """The canary's device when a `DeviceCanary` is active in this thread, else None."""
+    for mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+        if isinstance(mode, DeviceCanary):
+            return CANARY_DEVICE
+    return None
+
+
+def _place_of(device: Any) -> Place | None:
+    """Where a `device=` argument puts a new tensor (None: not a CPU place the canary tracks)."""
+    if device is None:
+        return "host"  # the default device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if not isinstance(device, torch.device) or device.type != "cpu":
+        return None
+    return "device" if device.index == 0 else "host"
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, depth + 1)
+    elif depth < 3 and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _storage(t: torch.Tensor) -> Any:
+    if t.layout != torch.strided or t.device.type != "cpu":
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        return None  # DTensor and other wrapper subclasses: no storage of their own
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class DeviceCanary(TorchFunctionMode):
+    """A torch function mode that fails device mix-ups on a CPU as CUDA fails them on a GPU.
+
+    Use it through `accel.testing.device_canary()`; see this module's docstring for the rules.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._places: weakref.WeakKeyDictionary[Any, Place] = weakref.WeakKeyDictionary()
+
+    def place(self, t: torch.Tensor) -> Place | None:
+        """Where `t` lives: "device", "host" or None (unknown to the canary)."""
+        storage = _storage(t)
+        return None if storage is None else self._places.get(storage)
+
+    def _mark(self, t: torch.Tensor, where: Place | None, *, force: bool = False) -> None:
+        storage = _storage(t)
+        if where is not None and storage is not None and (force or storage not in self._places):
+            self._places[storage] = where
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _DEVICE_GET:
+            return CANARY_DEVICE if self.place(args[0]) == "device" else func(*args)
+        if func in (torch.Tensor.to, torch.Tensor.cpu):
+            return self._move(func, args, kwargs)
+        if func in _TO_NUMPY and self.place(args[0]) == "device":
+            raise TypeError(
+                "device canary: can't convert a tensor on the run's device to numpy; on a GPU: "
+                "\"can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
+                'the tensor to host memory first."'
+            )
+        inputs = [(t, self.place(t)) for t in _tensors((args, kwargs))]
+        if func in _INDEXING:
+            self._check_index(func, args)
+        elif func not in _MOVES_ALLOWED:
+            self._check_mix(func, inputs)
+        out = func(*args, **kwargs)
+        if kwargs.get("device") is not None:
+            where = _place_of(kwargs["device"])
+        elif not inputs:
+            where = "host"  # a factory without a device: the default device
+        else:
+            places = {p for _, p in inputs}
+            where = "device" if "device" in places else "host" if "host" in places else None
+        for t in _tensors(out):
+            self._mark(t, where)
+        return out
+
+    def _check_mix(
+        self, func: Callable[..., Any], inputs: list[tuple[torch.Tensor, Place | None]]
+    ) -> None:
+        on_device = [t for t, p in inputs if p == "device"]
+        on_host = [t for t, p in inputs if p == "host" and t.dim() > 0]  # CPU scalars are fine
+        if on_device and on_host:
+            shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
+            raise RuntimeError(
+                f"device canary: {resolve_name(func) or func} got tensors on the host (shape "
+                f"{shapes}: made without a device, or moved with .cpu()) and on the run's "
+                'device; on a GPU this fails with "Expected all tensors to be on the same '
+                'device, but found at least two devices, cuda:0 and cpu!". Create the tensor '
+                "with device=ctx.device (or device=x.device), or move it with .to(ctx.device)."
+            )
+
+    def _check_index(self, func: Callable[..., Any], args: Sequence[Any]) -> None:
+        # CUDA tensors may be indexed with CPU indices, not CPU tensors with CUDA indices.
+        if self.place(args[0]) != "host" or args[0].dim() == 0:
+            return
+        if any(self.place(t) == "device" for t in _tensors(args[1])):
+            raise RuntimeError(
+                f"device canary: {resolve_name(func)} indexes a tensor on the host with indices "
+                "on the run's device; on a GPU this fails with \"indices should be either on "
+                'cpu or on the same device as the indexed tensor (cpu)". Move the indexed '
+                "tensor to ctx.device, or the indices to the host with .cpu()."
+            )
+
+    def _move(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        source = args[0]
+        if func is torch.Tensor.cpu:
+            where: Place | None = "host"
+        elif args[1:] and isinstance(args[1], torch.Tensor):  # .to(other): other's place
+            where = self.place(args[1])
+        elif "other" in kwargs:
+            where = self.place(kwargs["other"])
+        else:
+            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            where = self.place(source) if device is None else _place_of(device)
+        out = func(*args, **kwargs)
+        here = self.place(source)
+        shared = _storage(out) is not None and _storage(out) is _storage(source)
+        if where is not None and where != here and shared:
+            out = out.clone()  # a move between devices copies, as it does on a GPU
+        self._mark(out, where if where is not None else here, force=where is not None)
+        return out
