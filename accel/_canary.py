@@ -35,7 +35,6 @@ CANARY_DEVICE = torch.device("cpu", 0)
 
 Place = Literal["device", "host"]
 
-_DEVICE_GET = torch.Tensor.device.__get__
 # Ops that legitimately take tensors from both places (copies between devices).
 _MOVES_ALLOWED = frozenset(
     {
@@ -120,8 +119,11 @@ class DeviceCanary(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is _DEVICE_GET:
+        descriptor, name = getattr(func, "__self__", None), getattr(func, "__name__", "")
+        if name == "__get__" and descriptor is torch.Tensor.device:
             return CANARY_DEVICE if self.place(args[0]) == "device" else func(*args)
+        if name == "__set__":  # `param.data = t` moves the storage with it; `.grad = t` too
+            return func(*args, **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cpu):
             return self._move(func, args, kwargs)
         if func in _TO_NUMPY and self.place(args[0]) == "device":
@@ -185,7 +187,8 @@ class DeviceCanary(TorchFunctionMode):
         elif "other" in kwargs:
             where = self.place(kwargs["other"])
         else:
-            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            keys = {k: v for k, v in kwargs.items() if k != "copy"}  # not one of _parse_to's
+            device = torch._C._nn._parse_to(*args[1:], **keys)[0]
             where = self.place(source) if device is None else _place_of(device)
         out = func(*args, **kwargs)
         here = self.place(source)

@@ -1,4 +1,5 @@
-"""Run a function in several real processes, for tests of distributed code on a CPU.
+"""Run a function in several real processes, for tests of distributed code on a CPU, and catch
+device mix-ups there with the device canary.
 
 `run_world(fn, world_size=4)` starts `world_size` processes that form a gloo process group
 through a TCP store the parent opened on port 0 (so parallel test runs never collide), calls
@@ -9,6 +10,7 @@ caller raise the same exception, with the rank's traceback attached; a world tha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -18,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -29,12 +31,43 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from accel._canary import CANARY_DEVICE, DeviceCanary, canary_device
 from accel._exit import drain_gloo_workers, register_exit_guard
 from accel._mesh import with_mesh
 from accel._typing import Backend
 from accel.context import Parallelism, RunContext
 
-__all__ = ["RemoteTraceback", "run_world"]
+__all__ = ["RemoteTraceback", "device_canary", "run_world"]
+
+
+@contextlib.contextmanager
+def device_canary() -> Iterator[torch.device]:
+    """Run the block with a simulated accelerator that fails device mix-ups as a GPU does.
+
+    On a CPU every tensor is on the same device, so a tensor made on the default device meeting
+    a model on `ctx.device` only fails on a GPU. Inside this block the run's device is
+    `torch.device("cpu", 0)` (yielded): CPU memory and real values, but a device of its own.
+    `init_distributed()`, `RunContext.single()` and `run_world` ranks pick it as they would
+    pick a GPU; a tensor made without a device (or moved with `.cpu()`) is on the host, and an
+    op mixing host tensors (other than 0-dim scalars) with tensors on the run's device raises
+    the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device.
+    `ACCEL_DEVICE_CANARY=1 accel launch ...` runs a whole script under it. docs/testing.md
+    has the rules.
+
+    Yields:
+        The canary's device, `torch.device("cpu", 0)`.
+
+    Example:
+        >>> import accel
+        >>> from accel.testing import device_canary
+        >>> with device_canary() as device:
+        ...     ctx = accel.RunContext.single()
+        ...     w = torch.ones(3, 2, device=ctx.device)
+        ...     (torch.ones(4, 3, device=device) @ w).shape
+        torch.Size([4, 2])
+    """
+    with DeviceCanary():
+        yield CANARY_DEVICE
 
 
 class RemoteTraceback(Exception):
@@ -54,6 +87,7 @@ def _worker(
     parallelism: Parallelism | None,
     device_type: str = "cpu",
     environ: dict[str, str] | None = None,
+    canary: bool = False,
 ) -> None:
     if environ is not None:  # a rank from the forkserver: the caller's variables, as spawned
         os.environ.clear()
@@ -69,6 +103,7 @@ def _worker(
     timeout = timedelta(seconds=timeout_s)
     # notebook_launch on GPUs: a forked rank per GPU, over NCCL.
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    device = CANARY_DEVICE if canary else device
     backend: Backend = "nccl" if device_type == "cuda" else "gloo"
     try:
         if device_type == "cuda":
@@ -89,19 +124,8 @@ def _worker(
         sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
-        # Unpickled here rather than by multiprocessing before this function runs, so a function
-        # the fresh interpreter cannot import is reported like any other error of the rank.
-        try:
-            fn, args = pickle.loads(call) if isinstance(call, bytes) else call
-        except Exception as err:
-            raise RuntimeError(
-                f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
-                "spawned rank imports fn by module and name: define it at the top level of a "
-                "module or script file (not in `python -c`, stdin or a notebook cell)."
-            ) from err
-        if parallelism is not None:
-            ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
-        result = pickle.dumps(fn(ctx, *args))  # a result that cannot be pickled is an error too
+        with DeviceCanary() if canary else contextlib.nullcontext():
+            result = _call(call, ctx, rank, parallelism)
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the
         # first rank to raise is the one with the earliest error record.
@@ -112,6 +136,27 @@ def _worker(
             drain_gloo_workers()  # as accel.shutdown does, so the rank exits promptly
             dist.destroy_process_group()
     _write(out / f"{rank}.result", result)
+
+
+def _call(
+    call: bytes | tuple[Callable[..., Any], tuple[Any, ...]],
+    ctx: RunContext,
+    rank: int,
+    parallelism: Parallelism | None,
+) -> bytes:
+    # Unpickled here rather than by multiprocessing before this function runs, so a function
+    # the fresh interpreter cannot import is reported like any other error of the rank.
+    try:
+        fn, args = pickle.loads(call) if isinstance(call, bytes) else call
+    except Exception as err:
+        raise RuntimeError(
+            f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
+            "spawned rank imports fn by module and name: define it at the top level of a "
+            "module or script file (not in `python -c`, stdin or a notebook cell)."
+        ) from err
+    if parallelism is not None:
+        ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
+    return pickle.dumps(fn(ctx, *args))  # a result that cannot be pickled is an error too
 
 
 def _record_error(out: Path, rank: int) -> None:
@@ -153,7 +198,8 @@ def run_world(
     caller's environment variables), but from a forkserver that has imported torch and accel
     once, so a world starts in milliseconds rather than seconds of imports per rank. `fn` must
     be importable (defined at module top level). Each rank's `ctx` is a CPU `RunContext` whose
-    collectives time out after `timeout` seconds.
+    collectives time out after `timeout` seconds. Called inside `device_canary()`, every rank
+    runs `fn` under the canary too, with the canary's device as `ctx.device`.
 
     Args:
         fn: the function to run on every rank.
@@ -249,6 +295,7 @@ def _start_world(
                     parallelism,
                     device_type,
                     environ,
+                    canary_device() is not None,
                 ),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below
