@@ -51,7 +51,19 @@ _TO_NUMPY: tuple[Any, ...] = (torch.Tensor.numpy, torch.Tensor.__array__)
 
 
 def canary_device() -> torch.device | None:
-    """The canary's device when a `DeviceCanary` is active in this thread, else None."""
+    """Return the canary's device when a `DeviceCanary` is active in this thread.
+
+    Returns:
+        `CANARY_DEVICE` inside `accel.testing.device_canary()`, else None.
+
+    Example:
+        >>> from accel.testing import device_canary
+        >>> with device_canary():
+        ...     canary_device()
+        device(type='cpu', index=0)
+        >>> canary_device() is None
+        True
+    """
     for mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
         if isinstance(mode, DeviceCanary):
             return CANARY_DEVICE

@@ -58,7 +58,7 @@ def device_canary() -> Iterator[torch.device]:
         The canary's device, `torch.device("cpu", 0)`.
 
     Example:
-        >>> import accel
+        >>> import accel, torch
         >>> from accel.testing import device_canary
         >>> with device_canary() as device:
         ...     ctx = accel.RunContext.single()
