@@ -15,11 +15,13 @@ An op that mixes the two (a host tensor that is not a 0-dim scalar, which CUDA k
 raises the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device. The
 record is kept per storage (weakly), so views, `nn.Parameter`s and `.data` share their tensor's
 place. Tensors made where the mode cannot see (before it started, in other processes, by
-autograd) are unknown until an op places them, and never raise.
+autograd) are unknown until an op places them, and never raise. torch.distributed's own code
+(FSDP2, DTensor) names the mesh's device type, "cpu", for the run's device: there it is read so.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -46,6 +48,7 @@ _MOVES_ALLOWED = frozenset(
         torch._has_compatible_shallow_copy_type,
     }
 )
+_OWN_FILES = frozenset({__file__, torch.overrides.__file__})
 _INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
 _TO_NUMPY: tuple[Any, ...] = (torch.Tensor.numpy, torch.Tensor.__array__)
 
@@ -79,6 +82,25 @@ def _place_of(device: Any) -> Place | None:
     if not isinstance(device, torch.device) or device.type != "cpu":
         return None
     return "device" if device.index == 0 else "host"
+
+
+def _named_place(device: Any) -> Place | None:
+    """`_place_of` for a device the code named, read as torch.distributed means it.
+
+    FSDP2 and DTensor name the mesh's device type ("cpu" on a gloo mesh) for the shards they
+    move and the buffers they all-gather into; that is the run's device, as their "cuda:N" is
+    on a GPU. Only calls made from torch.distributed's own code are read this way.
+    """
+    where = _place_of(device)
+    return "device" if where == "host" and _called_from_torch_distributed() else where
+
+
+def _called_from_torch_distributed() -> bool:
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return bool(module.startswith("torch.distributed."))
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -133,7 +155,9 @@ class DeviceCanary(TorchFunctionMode):
         kwargs = kwargs or {}
         descriptor, name = getattr(func, "__self__", None), getattr(func, "__name__", "")
         if name == "__get__" and descriptor is torch.Tensor.device:
-            return CANARY_DEVICE if self.place(args[0]) == "device" else func(*args)
+            # torch.distributed compares with the mesh's device, "cpu" (see _named_place)
+            on_device = self.place(args[0]) == "device" and not _called_from_torch_distributed()
+            return CANARY_DEVICE if on_device else func(*args)
         if name == "__set__":  # `param.data = t` moves the storage with it; `.grad = t` too
             return func(*args, **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cpu):
@@ -151,7 +175,7 @@ class DeviceCanary(TorchFunctionMode):
             self._check_mix(func, inputs)
         out = func(*args, **kwargs)
         if kwargs.get("device") is not None:
-            where = _place_of(kwargs["device"])
+            where = _named_place(kwargs["device"])
         elif not inputs:
             where = "host"  # a factory without a device: the default device
         else:
@@ -201,7 +225,7 @@ class DeviceCanary(TorchFunctionMode):
         else:
             keys = {k: v for k, v in kwargs.items() if k != "copy"}  # not one of _parse_to's
             device = torch._C._nn._parse_to(*args[1:], **keys)[0]
-            where = self.place(source) if device is None else _place_of(device)
+            where = self.place(source) if device is None else _named_place(device)
         out = func(*args, **kwargs)
         here = self.place(source)
         shared = _storage(out) is not None and _storage(out) is _storage(source)
