@@ -104,3 +104,14 @@ def test_init_distributed_picks_the_canary_as_it_would_a_gpu() -> None:
         ctx = accel.init_distributed()
         assert ctx.device == device and ctx.sources["device"] == "default"
         assert accel.init_distributed(device="cpu").device == torch.device("cpu")
+
+
+def test_the_launch_variable_is_one_or_zero() -> None:
+    from accel_cli._worker import _canary
+
+    with _canary("1"):
+        assert accel.RunContext.single().device == torch.device("cpu", 0)
+    with _canary("0"):
+        assert accel.RunContext.single(device="cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"ACCEL_DEVICE_CANARY='maybe' must be 1 or 0"):
+        _canary("maybe")
