@@ -8,6 +8,7 @@ Shared below `testing` and `notebook`, whose public functions check their argume
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from accel._canary import CANARY_DEVICE, DeviceCanary, canary_device
 from accel._exit import drain_gloo_workers, register_exit_guard
 from accel._mesh import with_mesh
 from accel._typing import Backend
@@ -51,6 +53,7 @@ def _worker(
     parallelism: Parallelism | None,
     device_type: str = "cpu",
     environ: dict[str, str] | None = None,
+    canary: bool = False,
 ) -> None:
     if environ is not None:  # a rank from the forkserver: the caller's variables, as spawned
         os.environ.clear()
@@ -66,6 +69,7 @@ def _worker(
     timeout = timedelta(seconds=timeout_s)
     # notebook_launch on GPUs: a forked rank per GPU, over NCCL.
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    device = CANARY_DEVICE if canary else device
     backend: Backend = "nccl" if device_type == "cuda" else "gloo"
     try:
         if device_type == "cuda":
@@ -86,19 +90,8 @@ def _worker(
         sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
-        # Unpickled here rather than by multiprocessing before this function runs, so a function
-        # the fresh interpreter cannot import is reported like any other error of the rank.
-        try:
-            fn, args = pickle.loads(call) if isinstance(call, bytes) else call
-        except Exception as err:
-            raise RuntimeError(
-                f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
-                "spawned rank imports fn by module and name: define it at the top level of a "
-                "module or script file (not in `python -c`, stdin or a notebook cell)."
-            ) from err
-        if parallelism is not None:
-            ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
-        result = pickle.dumps(fn(ctx, *args))  # a result that cannot be pickled is an error too
+        with DeviceCanary() if canary else contextlib.nullcontext():
+            result = _call(call, ctx, rank, parallelism)
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the
         # first rank to raise is the one with the earliest error record.
@@ -109,6 +102,27 @@ def _worker(
             drain_gloo_workers()  # as accel.shutdown does, so the rank exits promptly
             dist.destroy_process_group()
     _write(out / f"{rank}.result", result)
+
+
+def _call(
+    call: bytes | tuple[Callable[..., Any], tuple[Any, ...]],
+    ctx: RunContext,
+    rank: int,
+    parallelism: Parallelism | None,
+) -> bytes:
+    # Unpickled here rather than by multiprocessing before this function runs, so a function
+    # the fresh interpreter cannot import is reported like any other error of the rank.
+    try:
+        fn, args = pickle.loads(call) if isinstance(call, bytes) else call
+    except Exception as err:
+        raise RuntimeError(
+            f"run_world: rank {rank} could not import fn ({type(err).__name__}: {err}); a "
+            "spawned rank imports fn by module and name: define it at the top level of a "
+            "module or script file (not in `python -c`, stdin or a notebook cell)."
+        ) from err
+    if parallelism is not None:
+        ctx = with_mesh(ctx, parallelism, source="accel.testing.run_world")
+    return pickle.dumps(fn(ctx, *args))  # a result that cannot be pickled is an error too
 
 
 def _record_error(out: Path, rank: int) -> None:
@@ -179,6 +193,7 @@ def start_world(
                     parallelism,
                     device_type,
                     environ,
+                    canary_device() is not None,
                 ),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below

@@ -12,6 +12,7 @@ from typing import Any, get_args
 import torch
 from typing_extensions import Self
 
+from accel._device import default_device
 from accel._parallelism import (
     MESH_DIMS,
     CompileMode,
@@ -26,15 +27,6 @@ __all__ = ["Parallelism", "RunContext", "along"]
 
 
 _CPU = torch.device("cpu")
-
-
-def default_device(local_rank: int) -> torch.device:
-    """The device a process with this local rank should use: its GPU, else mps, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def _check_index(name: str, value: int, bound_name: str, bound: int) -> None:

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
+from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
 from accel._typing import Backend, Precision
-from accel.context import Parallelism, RunContext, default_device
+from accel.context import Parallelism, RunContext
 from accel.seeding import check_seed
 
 __all__ = ["init_distributed", "shutdown"]
@@ -53,7 +54,7 @@ def init_distributed(
     grad_accum_steps: int | None = None,
     parallelism: Parallelism | None = None,
     backend: Backend | None = None,
-    device: str | torch.device | None = None,
+    device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
     seed: int | None = None,
     config: str | os.PathLike[str] | _config.Config | None = None,
@@ -75,7 +76,10 @@ def init_distributed(
             config's, else every rank is a replica.
         backend: "gloo" or "nccl"; by default nccl on CUDA, gloo otherwise. A one-process
             run gets a (one-rank) process group only when `backend` is given.
-        device: the device to use; by default this local rank's GPU, else mps, else cpu.
+        device: the device to use, as torch reads it: "cuda" or `torch.device("cuda")` is
+            this rank's own GPU (its local rank's), "cuda:N", `torch.device("cuda", N)` or the
+            int N is GPU N, "cpu" and "mps" are those. By default this local rank's GPU, else
+            mps, else cpu.
         timeout: seconds (or a timedelta) a collective may wait before it fails; default 30
             minutes.
         seed: base seed recorded in the context (seed the RNGs with `accel.set_seed`).
@@ -87,7 +91,7 @@ def init_distributed(
 
     Raises:
         ValueError: for a bad `timeout`, a bad setting (argument, variable or config file),
-            or a config file that does not parse.
+            a GPU this machine lacks, or a config file that does not parse.
         FileNotFoundError: for a config file that does not exist.
         RuntimeError: when a default process group already exists with another world size.
 
@@ -113,7 +117,14 @@ def init_distributed(
     }  # fmt: skip
     settings = _config.resolve_settings(arguments, os.environ, config)
     if "device" in settings:
-        chosen = torch.device(settings["device"][0])
+        spelling, source = settings["device"]
+        chosen = resolve_device(
+            spelling,
+            local_rank=launch.local_rank,
+            device_count=torch.cuda.device_count(),
+            name="device" if source == "argument" else source.removeprefix("env "),
+        )
+        settings["device"] = (chosen, source)
     else:
         chosen = default_device(launch.local_rank)
         settings["device"] = (chosen, "default")

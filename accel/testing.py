@@ -1,4 +1,5 @@
-"""Run a function in several real processes, for tests of distributed code on a CPU.
+"""Run a function in several real processes, for tests of distributed code on a CPU, and catch
+device mix-ups there with the device canary.
 
 `run_world(fn, world_size=4)` starts `world_size` processes that form a gloo process group
 through a TCP store the parent opened on port 0 (so parallel test runs never collide), calls
@@ -9,14 +10,48 @@ caller raise the same exception, with the rank's traceback attached; a world tha
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
+from accel._canary import CANARY_DEVICE, DeviceCanary
 from accel._world import RemoteTraceback, start_world
 from accel.context import Parallelism
 
-__all__ = ["RemoteTraceback", "run_world"]
+__all__ = ["RemoteTraceback", "device_canary", "run_world"]
+
+
+@contextlib.contextmanager
+def device_canary() -> Iterator[torch.device]:
+    """Run the block with a simulated accelerator that fails device mix-ups as a GPU does.
+
+    On a CPU every tensor is on the same device, so a tensor made on the default device meeting
+    a model on `ctx.device` only fails on a GPU. Inside this block the run's device is
+    `torch.device("cpu", 0)` (yielded): CPU memory and real values, but a device of its own.
+    `init_distributed()`, `RunContext.single()` and `run_world` ranks pick it as they would
+    pick a GPU; a tensor made without a device (or moved with `.cpu()`) is on the host, and an
+    op mixing host tensors (other than 0-dim scalars) with tensors on the run's device raises
+    the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device.
+    `ACCEL_DEVICE_CANARY=1 accel launch ...` runs a whole script under it. docs/testing.md
+    has the rules.
+
+    Yields:
+        The canary's device, `torch.device("cpu", 0)`.
+
+    Example:
+        >>> import accel, torch
+        >>> from accel.testing import device_canary
+        >>> with device_canary() as device:
+        ...     ctx = accel.RunContext.single()
+        ...     w = torch.ones(3, 2, device=ctx.device)
+        ...     (torch.ones(4, 3, device=device) @ w).shape
+        torch.Size([4, 2])
+    """
+    with DeviceCanary():
+        yield CANARY_DEVICE
 
 
 def run_world(
@@ -33,7 +68,8 @@ def run_world(
     caller's environment variables), but from a forkserver that has imported torch and accel
     once, so a world starts in milliseconds rather than seconds of imports per rank. `fn` must
     be importable (defined at module top level). Each rank's `ctx` is a CPU `RunContext` whose
-    collectives time out after `timeout` seconds.
+    collectives time out after `timeout` seconds. Called inside `device_canary()`, every rank
+    runs `fn` under the canary too, with the canary's device as `ctx.device`.
 
     Args:
         fn: the function to run on every rank.

@@ -6,11 +6,13 @@ rank raises and the others then fail in a collective, its "Root Cause" often nam
 only failed because of the first. Here the exception is written, in torch's own error-file
 format, to the file the agent gives each worker (`$TORCHELASTIC_ERROR_FILE`), with the time to
 the nanosecond; `accel launch` then names the rank that raised first. Stdlib only: nothing is
-imported before the script that the script itself would not import.
+imported before the script that the script itself would not import, except under
+`ACCEL_DEVICE_CANARY=1`, which runs the script inside `accel.testing.device_canary()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -52,18 +54,33 @@ def _script_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+def _canary(value: str) -> contextlib.AbstractContextManager[object]:
+    """The device canary when `ACCEL_DEVICE_CANARY` asks for it (tests on a CPU)."""
+    if value.strip().lower() in ("", "0", "false", "no"):
+        return contextlib.nullcontext()
+    if value.strip().lower() not in ("1", "true", "yes"):
+        raise ValueError(
+            f"accel launch: ACCEL_DEVICE_CANARY={value!r} must be 1 or 0; set "
+            "ACCEL_DEVICE_CANARY=1 to run the script under the device canary, or unset it."
+        )
+    from accel.testing import device_canary  # only here: the plain runner imports nothing
+
+    return device_canary()
+
+
 def run(argv: Sequence[str]) -> None:
     """Run `script args...`, or `-m module args...`, as the worker's main program."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            script = os.path.abspath(argv[0])  # as `python script.py` gives it
-            sys.argv = [script, *argv[1:]]
-            sys.path[0] = os.path.dirname(script)
-            runpy.run_path(script, run_name="__main__")
+        with _canary(os.environ.get("ACCEL_DEVICE_CANARY", "")):
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                script = os.path.abspath(argv[0])  # as `python script.py` gives it
+                sys.argv = [script, *argv[1:]]
+                sys.path[0] = os.path.dirname(script)
+                runpy.run_path(script, run_name="__main__")
     except SystemExit as err:
         if err.code not in (None, 0):
             record(err, error_file)

@@ -75,7 +75,8 @@ def main() -> None:
     ctx = accel.init_distributed(grad_accum_steps=4, seed=0)
     torch.manual_seed(0)
     model = TinyGPT()
-    reference = copy.deepcopy(model)  # trained below in this one process on the whole batches
+    # trained below in this one process on the whole batches, on the same device as the model
+    reference = copy.deepcopy(model).to(ctx.device)
     data = sequences(args.samples)
     batch_size = GLOBAL_MICRO_BATCH // ctx.world_size  # the same global micro-batch at any size
     loader = accel.shard_loader(
@@ -101,6 +102,7 @@ def main() -> None:
             # the reference: this window's whole global batch, one process, one backward
             first = step * ctx.grad_accum_steps * GLOBAL_MICRO_BATCH
             whole = pad([data[j] for j in order[first : first + len(window) * GLOBAL_MICRO_BATCH]])
+            whole = {k: v.to(ctx.device) for k, v in whole.items()}
             ref_loss = summed_loss(reference, whole) / (whole["labels"][:, 1:] != -100).sum()
             ref_loss.backward()
             ref_optimizer.step()

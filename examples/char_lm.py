@@ -61,7 +61,7 @@ class CharLM(nn.Module):
         self.head = nn.Linear(dim, len(VOCAB))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         return self.head(
             self.blocks(self.embed(x) + self.pos[: x.shape[1]], mask=mask, is_causal=True)
         )

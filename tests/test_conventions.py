@@ -199,6 +199,8 @@ SHARED_PRIVATE = frozenset(
         "_accelerate_config",
         "_agreement",
         "_deepspeed_flags",
+        "_canary",  # the device canary's mode: read by default_device, entered by accel.testing
+        "_device",  # default_device and resolve_device: used by context.py and distributed.py
         "_dtensor",
         "_env_vars",
         "_exit",

@@ -42,6 +42,27 @@ json.dump(printed, open(sys.argv[3], "w"))
 """
 
 
+# The same, each block inside accel.testing.device_canary(): a block that trains a model on
+# ctx.device must not mix in a tensor made on the host (issue 34).
+CANARY_RUNNER = """
+import json, sys, traceback
+from accel.testing import device_canary
+for line, code in json.load(open(sys.argv[1])):
+    try:
+        with device_canary():
+            exec(compile(code, f"{sys.argv[2]}:{line}", "exec"), {"__name__": "__docs__"})
+    except BaseException:
+        print(f"block at {sys.argv[2]}:{line} failed under the device canary:\\n"
+              f"{traceback.format_exc()}", file=sys.stderr)
+        sys.exit(1)
+"""
+TRAINS = re.compile(r"backward\(|optimizer_step\(|\.step\(\)")
+
+
+def training_blocks(page: Path) -> list[tuple[int, str]]:
+    return [(line, code) for line, code in python_blocks(page) if TRAINS.search(code)]
+
+
 def python_blocks(page: Path) -> list[tuple[int, str]]:
     return [(line, code) for line, code, _ in _blocks_and_outputs(page)]
 
@@ -64,6 +85,18 @@ def _blocks_and_outputs(page: Path) -> list[tuple[int, str, str | None]]:
 
 def test_the_docs_have_code_to_run() -> None:
     assert sum(len(python_blocks(p)) for p in PAGES) >= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in PAGES if training_blocks(p)], ids=lambda p: p.name)
+def test_training_blocks_run_under_the_device_canary(page: Path, tmp_path: Path) -> None:
+    blocks = tmp_path / "blocks.json"
+    blocks.write_text(json.dumps(training_blocks(page)))
+    run = subprocess.run(
+        [sys.executable, "-c", CANARY_RUNNER, str(blocks), str(page.relative_to(ROOT))],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
 
 
 @pytest.mark.slow

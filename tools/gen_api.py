@@ -37,7 +37,10 @@ def _entries() -> dict[str, list[tuple[str, object]]]:
     for name in sorted(accel.__all__):
         obj = getattr(accel, name)
         by_module.setdefault(owner[name], []).append((name, obj))
-    by_module["accel.testing"] = [("run_world", accel.testing.run_world)]
+    by_module["accel.testing"] = [
+        ("device_canary", accel.testing.device_canary),
+        ("run_world", accel.testing.run_world),
+    ]
     return by_module
 
 
@@ -58,7 +61,8 @@ def render() -> str:
         "# API reference",
         "",
         "Generated from the docstrings by `python tools/gen_api.py`; do not edit by hand.",
-        "Every name below is importable from `accel` (and `run_world` from `accel.testing`).",
+        "Every name below is importable from `accel` (and `device_canary` and `run_world` from "
+        "`accel.testing`).",
         "",
     ]
     for module, entries in sorted(_entries().items()):

@@ -307,7 +307,9 @@ def _read_into(fn: str, fd: int, entry: _Entry, target: torch.Tensor) -> None:
     )
     itemsize = entry.dtype.itemsize
     runs = merge_runs(byte_runs(entry.shape, indices, itemsize))
-    direct = local.dtype == entry.dtype and local.is_contiguous() and local.device.type == "cpu"
+    # Read straight into host memory only (the device canary's cpu:0 is staged, as a GPU is).
+    host = local.device == torch.device("cpu")
+    direct = local.dtype == entry.dtype and local.is_contiguous() and host
     buffer = local if direct else torch.empty(local.shape, dtype=entry.dtype)
     view = as_buffer(buffer) if buffer.numel() else memoryview(b"")
     for file_at, local_at, length in runs:

@@ -88,8 +88,11 @@ class ShardedLoader:
         self._ctx = ctx
         self.loader = loader
         self.plan = plan
-        # Batches come out of the DataLoader on the CPU: moving them there again is a no-op.
-        self._device = ctx.device if device_placement and ctx.device.type != "cpu" else None
+        # Batches come out of the DataLoader on the host: moving them to a plain "cpu" device is
+        # a no-op. Any other device is moved to, the device canary's cpu:0 included (which is
+        # CPU memory but not the host, as a GPU would not be).
+        host = ctx.device == torch.device("cpu")
+        self._device = ctx.device if device_placement and not host else None
         self._non_blocking = non_blocking
         self._seed = seed
         self.epoch = 0

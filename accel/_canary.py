@@ -1,0 +1,235 @@
+"""The device canary: on a CPU, tell the run's device from the host as a GPU would.
+
+On a CPU every tensor is on the same device, so a tensor made on the default device (the host)
+meeting a model on `ctx.device` computes happily here and fails on the first GPU. Under
+`DeviceCanary` the run's device is `torch.device("cpu", 0)`: CPU memory and real values, so
+accel's CPU code paths run and losses are real, but a device of its own. A torch function mode
+records where each tensor's memory lives:
+
+- on the run's device: what is created with `device=` that device (or `x.device` of a tensor on
+  it), moved there with `.to(...)`, or computed from such tensors;
+- on the host: what is created without a device (the default device, as on a GPU machine),
+  with `device="cpu"`, moved with `.cpu()` / `.to("cpu")`, or computed from host tensors only.
+
+An op that mixes the two (a host tensor that is not a 0-dim scalar, which CUDA kernels accept)
+raises the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device. The
+record is kept per storage (weakly), so views, `nn.Parameter`s and `.data` share their tensor's
+place. Tensors made where the mode cannot see (before it started, in other processes, by
+autograd) are unknown until an op places them, and never raise. torch.distributed's own code
+(FSDP2, DTensor) names the mesh's device type, "cpu", for the run's device: there it is read so.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, resolve_name
+
+__all__ = ["CANARY_DEVICE", "DeviceCanary", "canary_device"]
+
+# The run's device under the canary. Index 0 makes it differ from the host's torch.device("cpu")
+# (a tensor made on it is a CPU tensor; its `.device` reads cpu:0 under the canary).
+CANARY_DEVICE = torch.device("cpu", 0)
+
+Place = Literal["device", "host"]
+
+# Ops that legitimately take tensors from both places (copies between devices).
+_MOVES_ALLOWED = frozenset(
+    {
+        torch.Tensor.copy_,
+        torch.Tensor.new_tensor,
+        torch.Tensor.set_,
+        torch.Tensor.__deepcopy__,
+        torch.Tensor.__reduce_ex__,
+        torch._has_compatible_shallow_copy_type,
+    }
+)
+_OWN_FILES = frozenset({__file__, torch.overrides.__file__})
+_INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
+_TO_NUMPY: tuple[Any, ...] = (torch.Tensor.numpy, torch.Tensor.__array__)
+
+
+def canary_device() -> torch.device | None:
+    """Return the canary's device when a `DeviceCanary` is active in this thread.
+
+    Returns:
+        `CANARY_DEVICE` inside `accel.testing.device_canary()`, else None.
+
+    Example:
+        >>> from accel.testing import device_canary
+        >>> with device_canary():
+        ...     canary_device()
+        device(type='cpu', index=0)
+        >>> canary_device() is None
+        True
+    """
+    for mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+        if isinstance(mode, DeviceCanary):
+            return CANARY_DEVICE
+    return None
+
+
+def _place_of(device: Any) -> Place | None:
+    """Where a `device=` argument puts a new tensor (None: not a CPU place the canary tracks)."""
+    if device is None:
+        return "host"  # the default device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if not isinstance(device, torch.device) or device.type != "cpu":
+        return None
+    return "device" if device.index == 0 else "host"
+
+
+def _named_place(device: Any) -> Place | None:
+    """`_place_of` for a device the code named, read as torch.distributed means it.
+
+    FSDP2 and DTensor name the mesh's device type ("cpu" on a gloo mesh) for the shards they
+    move and the buffers they all-gather into; that is the run's device, as their "cuda:N" is
+    on a GPU. Only calls made from torch.distributed's own code are read this way.
+    """
+    where = _place_of(device)
+    return "device" if where == "host" and _called_from_torch_distributed() else where
+
+
+def _called_from_torch_distributed() -> bool:
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return bool(module.startswith("torch.distributed."))
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, depth + 1)
+    elif depth < 3 and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _storage(t: torch.Tensor) -> Any:
+    if t.layout != torch.strided or t.device.type != "cpu":
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+        return None  # DTensor and other wrapper subclasses: no storage of their own
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class DeviceCanary(TorchFunctionMode):
+    """A torch function mode that fails device mix-ups on a CPU as CUDA fails them on a GPU.
+
+    Use it through `accel.testing.device_canary()`; see this module's docstring for the rules.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._places: weakref.WeakKeyDictionary[Any, Place] = weakref.WeakKeyDictionary()
+
+    def place(self, t: torch.Tensor) -> Place | None:
+        """Where `t` lives: "device", "host" or None (unknown to the canary)."""
+        storage = _storage(t)
+        return None if storage is None else self._places.get(storage)
+
+    def _mark(self, t: torch.Tensor, where: Place | None, *, force: bool = False) -> None:
+        storage = _storage(t)
+        if where is not None and storage is not None and (force or storage not in self._places):
+            self._places[storage] = where
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        descriptor, name = getattr(func, "__self__", None), getattr(func, "__name__", "")
+        if name == "__get__" and descriptor is torch.Tensor.device:
+            # torch.distributed compares with the mesh's device, "cpu" (see _named_place)
+            on_device = self.place(args[0]) == "device" and not _called_from_torch_distributed()
+            return CANARY_DEVICE if on_device else func(*args)
+        if name == "__set__":  # `param.data = t` moves the storage with it; `.grad = t` too
+            return func(*args, **kwargs)
+        if func in (torch.Tensor.to, torch.Tensor.cpu):
+            return self._move(func, args, kwargs)
+        if func in _TO_NUMPY and self.place(args[0]) == "device":
+            raise TypeError(
+                "device canary: can't convert a tensor on the run's device to numpy; on a GPU: "
+                "\"can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
+                'the tensor to host memory first."'
+            )
+        inputs = [(t, self.place(t)) for t in _tensors((args, kwargs))]
+        if func in _INDEXING:
+            self._check_index(func, args)
+        elif func not in _MOVES_ALLOWED:
+            self._check_mix(func, inputs)
+        out = func(*args, **kwargs)
+        if kwargs.get("device") is not None:
+            where = _named_place(kwargs["device"])
+        elif not inputs:
+            where = "host"  # a factory without a device: the default device
+        else:
+            places = {p for _, p in inputs}
+            where = "device" if "device" in places else "host" if "host" in places else None
+        for t in _tensors(out):
+            self._mark(t, where)
+        return out
+
+    def _check_mix(
+        self, func: Callable[..., Any], inputs: list[tuple[torch.Tensor, Place | None]]
+    ) -> None:
+        on_device = [t for t, p in inputs if p == "device"]
+        on_host = [t for t, p in inputs if p == "host" and t.dim() > 0]  # CPU scalars are fine
+        if on_device and on_host:
+            shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
+            raise RuntimeError(
+                f"device canary: {resolve_name(func) or func} got tensors on the host (shape "
+                f"{shapes}: made without a device, or moved with .cpu()) and on the run's "
+                'device; on a GPU this fails with "Expected all tensors to be on the same '
+                'device, but found at least two devices, cuda:0 and cpu!". Create the tensor '
+                "with device=ctx.device (or device=x.device), or move it with .to(ctx.device)."
+            )
+
+    def _check_index(self, func: Callable[..., Any], args: Sequence[Any]) -> None:
+        # CUDA tensors may be indexed with CPU indices, not CPU tensors with CUDA indices.
+        if self.place(args[0]) != "host" or args[0].dim() == 0:
+            return
+        if any(self.place(t) == "device" for t in _tensors(args[1])):
+            raise RuntimeError(
+                f"device canary: {resolve_name(func)} indexes a tensor on the host with indices "
+                "on the run's device; on a GPU this fails with \"indices should be either on "
+                'cpu or on the same device as the indexed tensor (cpu)". Move the indexed '
+                "tensor to ctx.device, or the indices to the host with .cpu()."
+            )
+
+    def _move(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        source = args[0]
+        if func is torch.Tensor.cpu:
+            where: Place | None = "host"
+        elif args[1:] and isinstance(args[1], torch.Tensor):  # .to(other): other's place
+            where = self.place(args[1])
+        elif "other" in kwargs:
+            where = self.place(kwargs["other"])
+        else:
+            keys = {k: v for k, v in kwargs.items() if k != "copy"}  # not one of _parse_to's
+            device = torch._C._nn._parse_to(*args[1:], **keys)[0]
+            where = self.place(source) if device is None else _named_place(device)
+        out = func(*args, **kwargs)
+        here = self.place(source)
+        shared = _storage(out) is not None and _storage(out) is _storage(source)
+        if where is not None and where != here and shared:
+            out = out.clone()  # a move between devices copies, as it does on a GPU
+        self._mark(out, where if where is not None else here, force=where is not None)
+        return out
