@@ -329,7 +329,8 @@ def time_fp8(args: argparse.Namespace, device: torch.device, report: dict[str, A
         for precision in ("bf16", "fp8"):
             ctx = accel.RunContext.single(device=device, precision=precision)
             with torch.device(device):
-                model = accel.wrap_model(ctx, plumbing.make_llama(sizes), compile=compiled)
+                model = plumbing.make_llama(sizes)
+            model = accel.wrap_model(ctx, model, compile=compiled)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=plumbing.on_gpu(device))
             name = "bf16 (accel)" if precision == "bf16" else "fp8 tensorwise (accel)"
             steps[name] = step_with_accel(ctx, model, opt)

@@ -37,8 +37,9 @@ def _gpu_check() -> Any:
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["gpu_check"])
+    return sys.modules["gpu_check"]
 
 
 def test_gpu_check_runs_every_example_with_short_arguments(tmp_path: Path) -> None:
@@ -49,6 +50,19 @@ def test_gpu_check_runs_every_example_with_short_arguments(tmp_path: Path) -> No
         names = [p.name for p in gpu_check.plan(dry_run, tmp_path, tmp_path)]
         assert len(names) == len(set(names))
         assert {f"example: {n}" for n in examples} <= set(names)
+
+
+def test_gpu_check_skips_fp8_without_torchao(tmp_path: Path, monkeypatch: Any) -> None:
+    gpu_check = _gpu_check()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        gpu_check.importlib.util, "find_spec", lambda n: None if n == "torchao" else find_spec(n)
+    )
+    parts = {p.name: p for p in gpu_check.plan(False, tmp_path, tmp_path)}
+    fp8 = [p for n, p in parts.items() if n.startswith("fp8: ")]
+    assert [p.name for p in fp8] == ["fp8: dim 2048, 4 layers", "fp8: dim 4096, 2 layers"]
+    assert all(p.skip == "torchao not installed" for p in fp8)
+    assert not any(p.skip for n, p in parts.items() if not n.startswith("fp8: "))
 
 
 @pytest.mark.slow
@@ -65,7 +79,8 @@ def test_gpu_check_dry_run_writes_every_part_into_summary_json(tmp_path: Path) -
     summary = json.loads((out / "summary.json").read_text())
     expected = [p.name for p in _gpu_check().plan(True, tmp_path, out)]
     assert list(summary["parts"]) == expected
-    ran = {n: p for n, p in summary["parts"].items() if p["status"] != "skipped: not chosen (--only)"}
+    chosen = summary["parts"].items()
+    ran = {n: p for n, p in chosen if p["status"] != "skipped: not chosen (--only)"}
     assert sorted(ran) == ["README loop", "init_distributed(device='cpu')"], ran
     assert all(p["status"] == "pass" and p["seconds"] > 0 for p in ran.values()), ran
     assert re.fullmatch(r"-?\d+\.\d+(e-?\d+)?", ran["README loop"]["figures"]), ran

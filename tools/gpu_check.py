@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import importlib.metadata
 import importlib.util
@@ -69,7 +70,7 @@ EXAMPLES = {
     "fsdp2.py": (["--steps", "10", "--out", "run"], r"step 10 loss \d+\.\d+ grad_norm \d+\.\d+"),
     "one_piece.py": (["--epochs", "1"], r"epoch 0 accuracy \d\.\d+ on 200 samples"),
     "test_my_step.py": ([], r"\[rank 0\] parameters after 3 steps: -?\d+\.\d+"),
-    "train_minimal.py": (["--steps", "20"], r"\[rank 0\] step 20 loss \d+\.\d+"),
+    "train_minimal.py": (["--steps", "20"], r"step 20 loss \d+\.\d+ stepped=True"),
 }  # fmt: skip
 LAUNCH = ["-m", "accel", "launch", "--num_processes", "1", "--mixed_precision", "bf16"]
 
@@ -122,7 +123,7 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
         parts.append(Part(f"example: {name}", [py, *LAUNCH, str(ROOT / "examples" / name), *args],
                           lim(60, 300), True, "output", expect=expect, cwd=cwd))  # fmt: skip
     parts.append(Part("README loop", [py, *LAUNCH, str(work / "readme_loop.py")], lim(60, 300),
-                      True, "output", expect=r"(?m)^-?\d+\.\d+(e-?\d+)?\s*\Z",
+                      True, "output", expect=r"(?m)^-?\d+\.\d+(e-?\d+)?$",
                       cwd=work / "readme"))  # fmt: skip
     from tools.gpu_parts import CPU_SPELLINGS, GPU_SPELLINGS
 
@@ -195,6 +196,8 @@ def judge(part: Part, rc: int, timed_out: bool, log: Path) -> tuple[str, Any]:
         ok = ok and (not part.expect or figures is not None)
     elif part.kind == "bench":
         ok = ok and bool(figures and figures.get("complete"))
+    elif part.kind == "json":
+        ok = ok and figures is not None
     return ("pass" if ok else "fail"), figures
 
 
@@ -221,10 +224,9 @@ def versions() -> dict[str, Any]:
 
     found = {}
     for name in ("accelerate", "transformers", "safetensors", "torchao", "pytest"):
-        try:  # the installed distribution's version, without importing it (seconds each)
+        # the installed distribution's version, without importing it (seconds each)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     cuda = torch.cuda.is_available()
     return {
         "python": platform.python_version(), "torch": torch.__version__,
@@ -280,11 +282,15 @@ def main() -> int:
             rc, timed_out, seconds = run(part, limit, log)
             status, figures = judge(part, rc, timed_out, log)
             tail = "" if status == "pass" or status.startswith("skipped") else _tail(log, 3000)
+            if status == "fail" and rc == 0 and part.kind == "output":
+                tail = f"exit 0, but no line matches {part.expect!r}; the log ends:\n{tail}"
+            elif status != "pass" and not status.startswith("skipped"):
+                tail = f"exit code {rc}; the log ends:\n{tail}"
             return Outcome(status, seconds, round(limit, 1), figures, tail, log)
 
         def record(part: Part, outcome: Outcome) -> None:
             outcomes[part.name] = outcome
-            print(f"{outcome.status[:40]:<40} {outcome.seconds:6.1f}s  {part.name}", flush=True)
+            print(f"{outcome.status[:40]:<8} {outcome.seconds:6.1f}s  {part.name}", flush=True)
             summary["parts"] = {p.name: _entry(outcomes[p.name]) for p in parts
                                 if p.name in outcomes}  # fmt: skip
             _write(out / "summary.json", summary)
@@ -323,7 +329,7 @@ def collect(parts: list[Part], outcomes: dict[str, Outcome], out: Path) -> None:
     for part in parts:
         figures = outcomes[part.name].figures
         if part.kind == "bench" and isinstance(figures, dict):
-            for key, value in figures.items():
+            for key, value in json.loads(json.dumps(figures)).items():  # a copy to merge into
                 if key == "fp8" and isinstance(bench.get("fp8"), dict) and "widths" in value:
                     bench["fp8"]["widths"].update(value["widths"])
                 else:
@@ -334,14 +340,14 @@ def collect(parts: list[Part], outcomes: dict[str, Outcome], out: Path) -> None:
 
 def print_table(parts: list[Part], outcomes: dict[str, Outcome], seconds: float, budget: float,
                 out: Path) -> None:  # fmt: skip
-    print(f"\n{'part':<42} {'status':<10} {'s':>6}  note")
+    print(f"\n{'part':<46} {'status':<8} {'s':>6}  note")
     for part in parts:
         o = outcomes[part.name]
         if o.status == "pass":
             note = _note(o)
         else:  # the reason: a skip's, else the log's last line
             note = o.status.partition(": ")[2] or " ".join(o.log_tail.strip().splitlines()[-1:])
-        print(f"{part.name[:42]:<42} {o.status.split(':')[0]:<10} {o.seconds:6.1f}  {note[:70]}")
+        print(f"{part.name[:46]:<46} {o.status.split(':')[0]:<8} {o.seconds:6.1f}  {note[:70]}")
     bad = sum(o.status in ("fail", "timeout") for o in outcomes.values())
     print(f"gpu-check: {len(parts) - bad} of {len(parts)} parts passed or skipped, {bad} failed; "
           f"{seconds:.0f} s of {budget:.0f}; summary: {out / 'summary.json'}")  # fmt: skip
