@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,7 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
 
     junit = out / "pytest-junit.xml"
     parts = [Part("suite: pytest tests/gpu", [py, "-m", "pytest", "tests/gpu", "-p",
-                  "no:cacheprovider", "-rA", "--durations=5", f"--junitxml={junit}"]
+                  "no:cacheprovider", "-v", "-rA", "--durations=5", f"--junitxml={junit}"]
                   + (["--gpu-dry-run"] if dry_run else []), lim(150, 900), True, "suite",
                   result=junit)]  # fmt: skip
     parts.append(Part("GPT-2: hand = accel = Accelerate", [py, "tools/gpu_parts.py", "gpt2",
@@ -128,11 +129,12 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
     from tools.gpu_parts import CPU_SPELLINGS, GPU_SPELLINGS
 
     for spelling in (*GPU_SPELLINGS, "bad-index") if gpu else CPU_SPELLINGS:
-        label = spelling if spelling == "bad-index" else spelling.split(":", 1)[1]
-        label = f"torch.device({label!r})" if spelling.startswith("device:") else (
-            label if spelling.startswith("int:") else repr(label))  # fmt: skip
+        kind, _, value = spelling.partition(":")
+        labels = {"device": f"torch.device({value!r})", "int": value, "str": repr(value)}
+        name = f"init_distributed(device={labels[kind]})" if kind in labels else (
+            "init_distributed(device='cuda:N'), no such GPU")  # fmt: skip
         result = work / f"init-{len(parts)}.json"
-        parts.append(Part(f"init_distributed(device={label})", [py, "tools/gpu_parts.py", "init",
+        parts.append(Part(name, [py, "tools/gpu_parts.py", "init",
                           "--spelling", spelling, "--json", str(result)], lim(45, 120), True,
                           "json", result=result))  # fmt: skip
     bench = [py, "benchmarks/gpu.py"] + (["--dry-run"] if dry_run else [])
@@ -140,8 +142,8 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
     for name, args, limit, skip in (
         ("bench: 1.2B step, hand/accel/Accelerate", ["--only", "step"], lim(60, 300), ""),
         ("bench: GPT-2 loads, accel/Accelerate", ["--only", "load"], lim(45, 300), ""),
-        ("fp8: dim 2048, 4 layers", ["--only", "fp8", "--fp8-dims", "2048"], lim(90, 300), no_ao),
-        ("fp8: dim 4096, 2 layers", ["--only", "fp8", "--fp8-dims", "4096"], lim(120, 300), no_ao),
+        ("fp8: dim 2048, 4 layers", ["--only", "fp8", "--fp8-dims", "2048"], lim(110, 300), no_ao),
+        ("fp8: dim 4096, 2 layers", ["--only", "fp8", "--fp8-dims", "4096"], lim(130, 300), no_ao),
     ):
         result = work / f"bench-{len(parts)}.json"
         parts.append(Part(name, [*bench, *args, "--out", str(result)], limit, False, "bench",
@@ -180,7 +182,7 @@ def judge(part: Part, rc: int, timed_out: bool, log: Path) -> tuple[str, Any]:
     if part.result is not None and part.result.is_file() and part.kind != "suite":
         figures = json.loads(part.result.read_text())
     if part.kind == "suite":
-        figures = test_outcomes(part.result) if part.result else {}
+        figures = test_outcomes(part.result, text) if part.result else {}
     elif part.kind == "output" and part.expect:
         found = re.search(part.expect, text)
         figures = found.group(0).strip() if found else None
@@ -201,10 +203,16 @@ def judge(part: Part, rc: int, timed_out: bool, log: Path) -> tuple[str, Any]:
     return ("pass" if ok else "fail"), figures
 
 
-def test_outcomes(junit: Path) -> dict[str, Any]:
-    """Counts and each test's outcome ("passed", "failed", "error", "skipped: reason")."""
+def test_outcomes(junit: Path, log: str) -> dict[str, Any]:
+    """Counts and each test's outcome ("passed", "failed", "error", "skipped: reason"), from
+    the JUnit XML; from the verbose log's lines when pytest was killed before writing it."""
     outcomes = {}
-    if junit.is_file():
+    if not junit.is_file():
+        for name, outcome in re.findall(
+            r"(?m)^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", log
+        ):
+            outcomes[name] = {"FAILED": "failed"}.get(outcome, outcome.lower())
+    else:
         for case in ET.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             outcome = "passed"
@@ -269,6 +277,12 @@ def main() -> int:
         outcomes: dict[str, Outcome] = {}
 
         def do(part: Part, deadline: float) -> Outcome:
+            try:
+                return attempt(part, deadline)
+            except Exception:  # the check's own defect in one part: report it, run the rest
+                return Outcome("fail", log_tail=traceback.format_exc()[-3000:])
+
+        def attempt(part: Part, deadline: float) -> Outcome:
             chosen = not args.only or any(o.lower() in part.name.lower() for o in args.only)
             if not chosen:
                 return Outcome("skipped: not chosen (--only)")
@@ -276,14 +290,18 @@ def main() -> int:
                 return Outcome(f"skipped: {part.skip}")
             left = deadline - time.monotonic()
             if left < 5:
-                return Outcome("timeout", log_tail=f"not started: the {budget:.0f} s were spent")
+                return Outcome("timeout", log_tail="not started: its phase's time was spent")
             limit = min(part.limit, left)
+            if part.result is not None:  # never read a result an earlier check left in --out
+                part.result.unlink(missing_ok=True)
             log = work / f"log-{parts.index(part)}.txt"
             rc, timed_out, seconds = run(part, limit, log)
             status, figures = judge(part, rc, timed_out, log)
             tail = "" if status == "pass" or status.startswith("skipped") else _tail(log, 3000)
             if status == "fail" and rc == 0 and part.kind == "output":
                 tail = f"exit 0, but no line matches {part.expect!r}; the log ends:\n{tail}"
+            elif status == "timeout":
+                tail = f"ran past its {limit:.0f} s limit; the log ends:\n{tail}"
             elif status != "pass" and not status.startswith("skipped"):
                 tail = f"exit code {rc}; the log ends:\n{tail}"
             return Outcome(status, seconds, round(limit, 1), figures, tail, log)
@@ -294,6 +312,7 @@ def main() -> int:
             summary["parts"] = {p.name: _entry(outcomes[p.name]) for p in parts
                                 if p.name in outcomes}  # fmt: skip
             _write(out / "summary.json", summary)
+            collect(parts, outcomes, out)  # the logs so far, should the check itself be killed
 
         workers = max(1, min(4, (os.cpu_count() or 1) // 4))  # 4 on 16 cores, 1 on CI's 2
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -303,7 +322,6 @@ def main() -> int:
                 record(futures[future], future.result())
         for part in (p for p in parts if not p.shared):
             record(part, do(part, start + budget))
-        collect(parts, outcomes, out)
     summary["seconds"] = round(time.monotonic() - start, 1)
     failed = [n for n, o in outcomes.items() if o.status in ("fail", "timeout")]
     summary["ok"] = not failed
@@ -317,8 +335,8 @@ def collect(parts: list[Part], outcomes: dict[str, Outcome], out: Path) -> None:
     bench: dict[str, Any] = {}
     with (out / "parts.log").open("w") as log:
         for part in parts:
-            o = outcomes[part.name]
-            if o.log is None or not o.log.is_file():
+            o = outcomes.get(part.name)
+            if o is None or o.log is None or not o.log.is_file():
                 continue
             if part.kind == "suite":
                 shutil.copyfile(o.log, out / "pytest.log")
@@ -327,7 +345,7 @@ def collect(parts: list[Part], outcomes: dict[str, Outcome], out: Path) -> None:
             log.write(f"==== {part.name}: {o.status}, {o.seconds} s\n$ {' '.join(part.cmd)}\n")
             log.write(_tail(o.log, LOG_CAP) + "\n")
     for part in parts:
-        figures = outcomes[part.name].figures
+        figures = outcomes[part.name].figures if part.name in outcomes else None
         if part.kind == "bench" and isinstance(figures, dict):
             for key, value in json.loads(json.dumps(figures)).items():  # a copy to merge into
                 if key == "fp8" and isinstance(bench.get("fp8"), dict) and "widths" in value:
@@ -345,6 +363,8 @@ def print_table(parts: list[Part], outcomes: dict[str, Outcome], seconds: float,
         o = outcomes[part.name]
         if o.status == "pass":
             note = _note(o)
+        elif o.status == "timeout":  # how long it ran, or that it did not start
+            note = o.log_tail.partition(";")[0].partition("\n")[0]
         else:  # the reason: a skip's, else the log's last line
             note = o.status.partition(": ")[2] or " ".join(o.log_tail.strip().splitlines()[-1:])
         print(f"{part.name[:46]:<46} {o.status.split(':')[0]:<8} {o.seconds:6.1f}  {note[:70]}")
