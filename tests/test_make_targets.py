@@ -87,3 +87,22 @@ def test_gpu_check_dry_run_writes_every_part_into_summary_json(tmp_path: Path) -
     assert ran["init_distributed(device='cpu')"]["figures"]["ctx.device"] == "cpu"
     assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
     assert "README loop" in run.stdout and "parts passed or skipped" in run.stdout
+
+
+@pytest.mark.slow
+def test_gpu_suite_on_a_cpu_skips_every_test_with_its_reason() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # there the suite runs: make gpu-check
+        pytest.skip("CUDA is present: tests/gpu runs instead of skipping")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-rs", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    skipped = re.search(r"(\d+) skipped in", run.stdout)
+    assert skipped and int(skipped.group(1)) >= 14, run.stdout[-3000:]
+    assert "passed" not in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+    reasons = re.findall(r"(?m)^SKIPPED \[\d+\] tests/gpu/\S+: (.*)$", run.stdout)
+    # conftest's "needs CUDA", or a test's own skipif reason ("needs 2 GPUs"): never none
+    assert "needs CUDA" in reasons and all(r.strip() for r in reasons), run.stdout[-3000:]
