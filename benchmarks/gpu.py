@@ -64,10 +64,11 @@ FP8_TINY = {2048: TINY, 4096: dataclasses.replace(TINY, dim=64, layers=1)}
 # 2026-11-27, torch 2.11) had 4 rounds of 3 steps after 3 warm-up steps, the step eager and
 # compiled in all three loops, fp8 eager and compiled: the step and the loads alone took 150 s
 # (three inductor compiles of the 16-layer model were most of it; a step is 0.13 s eager, 0.12 s
-# compiled) and the whole benchmark about 8 minutes. Now: the step eager only (3 x 8 steps,
-# about 15 s with the model's build; --compile adds the compiled loops, 1.011x of hand on that
-# run), 3 GPT-2 loads a map (5 before), fp8 compiled only (eager fp8 was 0.29x of bf16: it
-# measures nothing a user runs), 3 rounds of 2 steps after 2 warm-up steps.
+# compiled) and the whole benchmark about 8 minutes. Now: the step eager only (3 loops of 8
+# steps, about 3 s of steps; --compile adds the compiled loops, 1.011x of hand on that run),
+# 3 GPT-2 loads a map (5 before; a round of the four loads took about 2.1 s), fp8 compiled only
+# (eager fp8 was 0.29x of bf16: it measures nothing a user runs), 3 rounds of 2 steps after 2
+# warm-up steps. Not yet timed on a GPU at these defaults: the compiles dominate the fp8 parts.
 ROUNDS, STEPS, WARMUP, LOAD_REPEATS = 3, 2, 2, 3
 SECTIONS = ("step", "load", "fp8")
 
