@@ -112,7 +112,8 @@ def check_gpt2(steps: int) -> dict[str, Any]:
 
     import accel
 
-    torch.use_deterministic_algorithms(True)
+    # Warn, not raise, where an op has no deterministic kernel: equal losses are the check.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     config = gpt2_config(not gpu, attn_implementation="eager")  # sdpa's backward is atomic
