@@ -43,14 +43,16 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy accel accel_cli
 
 # The GPU check runs with the machine's own python and packages (no venv, no download):
-# `make gpu-check` on a lent GPU, `make gpu-check DRY_RUN=1` on a CPU (CI). Logs, the suite's
-# results and the benchmark's figures go to $(OUT) (summary.json).
+# `make gpu-check` on a machine with a CUDA GPU (every part within 6 minutes), `make gpu-check
+# DRY_RUN=1` on a CPU (CI). summary.json, logs and the benchmark's figures go to $(OUT);
+# GPU_CHECK_ARGS passes more flags (`--only fp8` reruns the parts so named). docs/testing.md.
 PYTHON  ?= python3
 OUT     ?= gpu-check-out
 DRY_RUN ?=
+GPU_CHECK_ARGS ?=
 
 gpu-check:
-	PYTHONPATH=. $(PYTHON) tools/gpu_check.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
+	PYTHONPATH=. $(PYTHON) tools/gpu_check.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,5 @@
 """`make test` and `make test-fast`: a run that collects no test fails the target.
+`make gpu-check`: its dry run writes every part into summary.json.
 
 pytest exits with code 5 when it collects nothing (a wrong path, a marker expression that
 deselects everything); a target that let that pass would report a green suite that never ran.
@@ -6,9 +7,13 @@ deselects everything); a target that let that pass would report a green suite th
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +31,78 @@ def test_a_run_that_collects_no_test_fails_the_target(tmp_path: Path, target: st
     )  # fmt: skip
     assert "no tests ran" in run.stdout, run.stdout + run.stderr  # pytest ran, collected nothing
     assert run.returncode != 0, f"make {target} passed a run with no test:\n{run.stdout}"
+
+
+def _gpu_check() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["gpu_check"])
+    return sys.modules["gpu_check"]
+
+
+def test_gpu_check_runs_every_example_with_short_arguments(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    examples = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+    assert sorted(gpu_check.EXAMPLES) == examples, "add each new example to EXAMPLES"
+    for dry_run in (True, False):
+        names = [p.name for p in gpu_check.plan(dry_run, tmp_path, tmp_path)]
+        assert len(names) == len(set(names))
+        assert {f"example: {n}" for n in examples} <= set(names)
+
+
+def test_gpu_check_skips_fp8_without_torchao(tmp_path: Path, monkeypatch: Any) -> None:
+    gpu_check = _gpu_check()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        gpu_check.importlib.util, "find_spec", lambda n: None if n == "torchao" else find_spec(n)
+    )
+    parts = {p.name: p for p in gpu_check.plan(False, tmp_path, tmp_path)}
+    fp8 = [p for n, p in parts.items() if n.startswith("fp8: ")]
+    assert [p.name for p in fp8] == ["fp8: dim 2048, 4 layers", "fp8: dim 4096, 2 layers"]
+    assert all(p.skip == "torchao not installed" for p in fp8)
+    assert not any(p.skip for n, p in parts.items() if not n.startswith("fp8: "))
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_every_part_into_summary_json(tmp_path: Path) -> None:
+    # Two cheap parts run (a launched loop, a spelling); the others are in the summary as not
+    # chosen. CI's .ci/run runs the whole dry run (every part) after the suite.
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["make", "--no-print-directory", "gpu-check", "DRY_RUN=1", f"PYTHON={sys.executable}",
+         f"OUT={out}", "GPU_CHECK_ARGS=--only README --only \"init_distributed(device='cpu')\""],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    expected = [p.name for p in _gpu_check().plan(True, tmp_path, out)]
+    assert list(summary["parts"]) == expected
+    chosen = summary["parts"].items()
+    ran = {n: p for n, p in chosen if p["status"] != "skipped: not chosen (--only)"}
+    assert sorted(ran) == ["README loop", "init_distributed(device='cpu')"], ran
+    assert all(p["status"] == "pass" and p["seconds"] > 0 for p in ran.values()), ran
+    assert re.fullmatch(r"-?\d+\.\d+(e-?\d+)?", ran["README loop"]["figures"]), ran
+    assert ran["init_distributed(device='cpu')"]["figures"]["ctx.device"] == "cpu"
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
+    assert "README loop" in run.stdout and "parts passed or skipped" in run.stdout
+
+
+@pytest.mark.slow
+def test_gpu_suite_on_a_cpu_skips_every_test_with_its_reason() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # there the suite runs: make gpu-check
+        pytest.skip("CUDA is present: tests/gpu runs instead of skipping")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-rs", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    skipped = re.search(r"(\d+) skipped in", run.stdout)
+    assert skipped and int(skipped.group(1)) >= 14, run.stdout[-3000:]
+    assert "passed" not in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+    reasons = re.findall(r"(?m)^SKIPPED \[\d+\] tests/gpu/\S+: (.*)$", run.stdout)
+    # conftest's "needs CUDA", or a test's own skipif reason ("needs 2 GPUs"): never none
+    assert "needs CUDA" in reasons and all(r.strip() for r in reasons), run.stdout[-3000:]
