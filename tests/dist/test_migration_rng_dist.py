@@ -9,6 +9,8 @@ when porting a `use_seedable_sampler=False` run at several processes, one draw a
 `use_seedable_sampler=True` the shuffle is accel's (`shard_loader(seed=s)`) and the per-step
 losses are bit-identical; with `False` Accelerate's shuffle order is its own (the page says so),
 so that mode trains on an unshuffled loader and checks prepare's draw on a shuffled one.
+The schedule is kept as Accelerate's script writes it and stepped as block 5 of the page says
+(`world_size` times per optimizer step), so the learning rates are Accelerate's too.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
 
 
-def _accelerate_losses(ctx: RunContext, seedable: bool) -> list[float]:
+def _schedule(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LinearLR(
+        optimizer, 1.0, 0.1, total_iters=EPOCHS * SAMPLES // BATCH
+    )
+
+
+def _accelerate_losses(ctx: RunContext, seedable: bool) -> list[tuple[float, list[float]]]:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
@@ -63,23 +71,26 @@ def _accelerate_losses(ctx: RunContext, seedable: bool) -> list[float]:
     set_seed(0)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = _schedule(optimizer)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=seedable, collate_fn=_noisy)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     losses = []
     for _epoch in range(EPOCHS):
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append((loss.item(), scheduler.get_last_lr()))
     return losses
 
 
-def _accel_losses(ctx: RunContext, seedable: bool) -> list[float]:
+def _accel_losses(ctx: RunContext, seedable: bool) -> list[tuple[float, list[float]]]:
     accel.set_seed(0)
     model = accel.wrap_model(ctx, _model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = _schedule(optimizer)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=seedable, collate_fn=_noisy)
     loader = accel.shard_loader(ctx, loader, seed=0)
     losses = []
@@ -89,8 +100,10 @@ def _accel_losses(ctx: RunContext, seedable: bool) -> list[float]:
             loss = nn.functional.mse_loss(model(x), y)
             accel.scaled_backward(ctx, loss)
             optimizer.step()
+            for _ in range(ctx.world_size):  # block 5: the schedule kept as written
+                scheduler.step()
             optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append((loss.item(), scheduler.get_last_lr()))
     return losses
 
 
@@ -131,5 +144,5 @@ def test_global_rng_recipe_gives_accelerates_losses(world_size: int) -> None:
         for seedable, (mine, theirs, (rng_theirs, rng_mine)) in res.items():
             case = f"rank {rank} of {world_size}, use_seedable_sampler={seedable}"
             assert len(mine) == EPOCHS * SAMPLES // (BATCH * world_size), case
-            assert mine == theirs, case  # bit-identical per-step losses
+            assert mine == theirs, case  # bit-identical per-step losses and learning rates
             assert rng_mine == rng_theirs, case

@@ -177,20 +177,26 @@ def _with_accelerate(ctx: RunContext, kind: str) -> dict[str, Any]:
     return _evaluate(kind, model, loader, accelerator.gather_for_metrics)
 
 
-def _both(ctx: RunContext, kind: str, directory: str | None) -> tuple[dict, dict]:
-    mine = _with_accel(ctx, kind, directory)
-    return mine, _with_accelerate(ctx, kind)
+def _both(ctx: RunContext) -> dict[str, tuple[dict, dict]]:
+    return {
+        kind: (_with_accel(ctx, kind, None), _with_accelerate(ctx, kind))
+        for kind in ("clm", "mlm", "glue")
+    }
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["clm", "mlm", "glue"])
-def test_script_eval_lines_give_accelerates_metrics_at_1_and_2_processes(kind: str) -> None:
-    for world_size in (1, 2):
-        for mine, theirs in run_world(_both, world_size=world_size, timeout=240,
-                                      args=(kind, None)):  # fmt: skip
-            assert mine == theirs, (world_size, mine, theirs)
+@pytest.mark.timeout(900)  # transformers and accelerate imported in each world
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_script_eval_lines_give_accelerates_metrics_at_1_and_2_processes(world_size: int) -> None:
+    for res in run_world(_both, world_size=world_size, timeout=600):
+        for kind, (mine, theirs) in res.items():
+            assert mine == theirs, (kind, world_size, mine, theirs)
             assert mine["samples"] == NUM_SAMPLES  # every eval sample counted once
+
+
+def _log_both(ctx: RunContext, directory: str) -> dict[str, dict[str, Any]]:
+    return {kind: _with_accel(ctx, kind, str(Path(directory, kind))) for kind in ("clm", "glue")}
 
 
 def _tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -208,6 +214,7 @@ def _tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # transformers, wandb, mlflow and trackio imported on each rank
 def test_script_logging_lines_reach_every_tracker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,11 +227,9 @@ def test_script_logging_lines_reach_every_tracker(
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
-    logged = {}
-    for kind in ("clm", "glue"):
-        out = tmp_path / kind
-        logged[kind] = run_world(_with_accel, world_size=2, timeout=240, args=(kind, str(out)))[0]
-        logged[kind].pop("samples")
+    logged = run_world(_log_both, world_size=2, timeout=600, args=(str(tmp_path),))[0]
+    for result in logged.values():
+        result.pop("samples")
     clm, glue = logged["clm"], logged["glue"]
     common = {"train_loss": 2.5, "epoch": 0, "step": 6}
 
