@@ -336,10 +336,27 @@ def test_gather_for_metrics_single_process_and_errors() -> None:
     assert accel.gather_for_metrics(ctx, [], loader=loader) == []
     live = iter(loader)  # a pass whose iterator is dropped is no longer current (issue 29)
     next(live)
-    with pytest.raises(ValueError, match=r"use accel\.reduce"):
+    with pytest.raises(ValueError, match=r"shape \(\) has no dim 0.*loss\.repeat\(batch_size\)"):
         accel.gather_for_metrics(ctx, torch.tensor(0.5), loader=loader)
     with pytest.raises(TypeError, match="is not a ShardedLoader"):
         accel.gather_for_metrics(ctx, torch.zeros(1), loader=DataLoader([1]))  # type: ignore[arg-type]
+
+
+def test_gather_for_metrics_of_rows_not_per_sample_follows_accelerates_rule() -> None:
+    # Accelerate's rule: rows that are not one per sample (the no_trainer scripts'
+    # loss.repeat(per_device_eval_batch_size)) are kept whole, except in the last, short round,
+    # cut to its real samples (len(dataset) % total batch size).
+    ctx = RunContext.single()
+    loader = accel.shard_loader(ctx, DataLoader(list(range(5)), batch_size=2))
+    rows = [
+        accel.gather_for_metrics(ctx, b.float().mean().repeat(2), loader=loader).tolist()
+        for b in loader
+    ]
+    assert rows == [[0.5, 0.5], [2.5, 2.5], [4.0]]
+    wide = [accel.gather_for_metrics(ctx, torch.arange(3), loader=loader).tolist() for _ in loader]
+    assert wide == [[0, 1, 2], [0, 1, 2], [0]]
+    full = accel.shard_loader(ctx, DataLoader(list(range(4)), batch_size=2))  # no short round
+    assert [len(accel.gather_for_metrics(ctx, torch.zeros(3), loader=full)) for _ in full] == [3, 3]
 
 
 def test_gather_for_metrics_of_python_objects_keeps_each_sample_once() -> None:

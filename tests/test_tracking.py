@@ -80,11 +80,14 @@ def test_hparams_are_stored_once_and_closed_trackers_refuse(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("metrics", "step", "error", "message"),
     [
-        ({"loss": "low"}, 0, TypeError, r"metrics\['loss'\]='low' is a str; expected a number"),
+        ({"loss": [1]}, 0, TypeError, r"metrics\['loss'\]=\[1\] is a list; expected a number"),
+        ({"acc": {"f1": "x"}}, 0, TypeError, r"metrics\['acc'\]\['f1'\]='x' is a str"),
+        ({"acc": {1: 0.5}}, 0, TypeError, r"metrics\['acc'\] has the key 1"),
         ({"loss": torch.ones(2)}, 0, ValueError, r"tensor of shape \(2,\); expected one number"),
         ({"loss": 1.0}, -1, ValueError, "step=-1 must be an int >= 0"),
         ({"loss": 1.0}, True, ValueError, "step=True must be an int >= 0"),
-        ({"step": 1.0}, 0, ValueError, "metric name 'step' is not allowed"),
+        ({"hparams": 1.0}, 0, ValueError, "metric name 'hparams' is not allowed"),
+        ({"step": 1.0}, 0, ValueError, r"metrics\['step'\]=1.0 differs from step=0"),
     ],
 )
 def test_bad_metrics_name_the_value(
@@ -93,6 +96,19 @@ def test_bad_metrics_name_the_value(
     with JSONLTracker(tmp_path / "m.jsonl") as tracker, pytest.raises(error, match=message):
         log_metrics(MAIN, metrics, step=step, trackers=[tracker])
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_accelerates_values_reach_jsonl_and_custom_trackers(tmp_path: Path) -> None:
+    # The no_trainer scripts log a metric named "step" with step= the same, and GLUE's a dict.
+    recorder = _Recorder()
+    with JSONLTracker(tmp_path / "m.jsonl") as tracker:
+        metrics = {"accuracy": {"accuracy": 0.75, "f1": torch.tensor(0.5)}, "note": "ok",
+                   "epoch": 0, "step": 6}  # fmt: skip
+        log_metrics(MAIN, metrics, step=6, trackers=[tracker, recorder])
+    assert _lines(tmp_path / "m.jsonl") == [
+        {"step": 6, "accuracy": {"accuracy": 0.75, "f1": 0.5}, "note": "ok", "epoch": 0}
+    ]
+    assert recorder.calls == [("log", 6, {**metrics, "accuracy": {"accuracy": 0.75, "f1": 0.5}})]
 
 
 def test_trackers_must_be_a_sequence(tmp_path: Path) -> None:
@@ -166,6 +182,30 @@ def test_tensorboard_event_file_reads_back(tmp_path: Path) -> None:
         "lr": [(0, 0.5), (1, 0.5), (5, 0.5)],
     }
     assert hparams == {"lr": 0.5, "opt": "adam", "ema": True, "dev": "cpu"}
+
+
+def test_tensorboard_takes_accelerates_dicts_and_strings(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = tmp_path / "tb"
+    with TensorBoardTracker(folder) as tracker:
+        metrics = {"accuracy": {"accuracy": 0.75, "f1": 0.5}, "note": "ok", "step": 6}
+        log_metrics(MAIN, metrics, step=6, trackers=[tracker])
+
+    def read(folder: Path) -> Any:
+        (events_file,) = folder.glob("events.out.tfevents.*")
+        events = EventAccumulator(str(events_file))
+        events.Reload()
+        return events
+
+    events = read(folder)
+    assert [(e.step, e.value) for e in events.Scalars("step")] == [(6, 6.0)]
+    assert [(e.step, e.tensor_proto.string_val) for e in events.Tensors("note/text_summary")] == [
+        (6, [b"ok"])
+    ]
+    for key, value in metrics["accuracy"].items():  # add_scalars: a sub-run per key
+        events = read(folder / f"accuracy_{key}")
+        assert [(e.step, e.value) for e in events.Scalars("accuracy")] == [(6, value)]
 
 
 def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,28 @@ def checksum_file(path: Path) -> tuple[int, int]:
             view.release()
 
 
+# What Accelerate's save_state writes (model.safetensors or pytorch_model.bin, model_1.* for a
+# second model, optimizer.bin, scheduler.bin, random_states_<rank>.pkl, ...).
+_ACCELERATE_WEIGHTS = ("model*.safetensors", "pytorch_model*.bin")
+_ACCELERATE_STATE = ("random_states_*.pkl", "optimizer*.bin", "scheduler*.bin")
+
+
+def _accelerate_folder(fn: str, directory: Path) -> str | None:
+    """The message for a folder Accelerate's save_state wrote, or None for any other folder."""
+    weights = sorted(p.name for pattern in _ACCELERATE_WEIGHTS for p in directory.glob(pattern))
+    state = sorted(p.name for pattern in _ACCELERATE_STATE for p in directory.glob(pattern))
+    if not state:
+        return None
+    model = weights[0] if weights else "model.safetensors"
+    return (
+        f"{fn}: {str(directory)!r} has no {MANIFEST}: it is a folder written by Accelerate's "
+        f"save_state ({', '.join(weights + state)}), which accel's load_state does not read. "
+        f"Load its weights with accel.load_checkpoint_in_model(model, "
+        f"{str(directory / model)!r}); its optimizer.bin and scheduler.bin load with "
+        "optimizer.load_state_dict(torch.load(path, weights_only=True)) (docs/migration.md)."
+    )
+
+
 def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
     """The manifest of a published directory; raises naming the directory or the manifest."""
     path = directory / MANIFEST
@@ -60,6 +82,9 @@ def read_manifest(fn: str, directory: Path) -> dict[str, Any]:
                 f"{fn}: {str(directory)!r} was deleted while it was read: a newer save rotated "
                 "it away. Call accel.latest_checkpoint(root) again."
             ) from None
+        accelerate_hint = _accelerate_folder(fn, directory)
+        if accelerate_hint:
+            raise FileNotFoundError(accelerate_hint) from None
         raise FileNotFoundError(
             f"{fn}: {str(directory)!r} has no {MANIFEST}, so it is not a complete accel "
             "checkpoint (a save was interrupted, or it was written by something else). Use "

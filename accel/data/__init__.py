@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel._tree import flatten, unflatten
-from accel.collectives import gather_leaves, gather_parts, pad_tensor
+from accel.collectives import gather_leaves, gather_object, gather_parts, pad_tensor
 from accel.context import RunContext, along
 from accel.data._loader import ShardedLoader
 from accel.data._shard_plan import ShardBatch, ShardPlan
@@ -137,6 +137,13 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     loader=loader)` for each round it lacks, and contributes nothing (docs/data.md shows the
     loop).
 
+    Rows that are not one per sample (Accelerate's no_trainer scripts gather
+    `loss.repeat(per_device_eval_batch_size)` per batch) follow Accelerate's rule: every rank's
+    rows are concatenated in rank order and kept whole, except in the last round when it is
+    short of a full step (`len(dataset) % (batch_size * world_size)` real samples, Accelerate's
+    `remainder`), where the first that many rows are kept. The mean of the gathered losses
+    then equals Accelerate's, bit for bit.
+
     Args:
         ctx: the run context the loader was made with.
         tree: this rank's per-sample results for the batch: a tensor, or nested tuples, lists
@@ -151,8 +158,8 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     Raises:
         TypeError: for a `loader` that is not a `ShardedLoader`, or a tree mixing tensors and
             other objects.
-        ValueError: for a leaf whose dim 0, or a list whose length, is not this rank's batch
-            size, or results passed by a rank whose pass has ended.
+        ValueError: for a 0-dim leaf, a list whose length is not this rank's batch size, or
+            results passed by a rank whose pass has ended.
         RuntimeError: before the loader has yielded a batch, when its last pass was left
             before its end (the batch then came from another loader, or from no current pass),
             or when the collective fails.
@@ -207,23 +214,63 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "list(zip(predictions, references)) for pairs of decoded strings."
         )
     for leaf in leaves:
-        if leaf.ndim == 0 or leaf.shape[0] != mine:
+        if leaf.ndim == 0:
             raise ValueError(
-                f"{fn}: a leaf of shape {tuple(leaf.shape)} has no per-sample "
-                f"dim 0 of the batch size {mine}. Per-batch values (a mean loss) are not "
-                "per-sample results: use accel.reduce(ctx, value, op='mean') for those."
+                f"{fn}: a leaf of shape () has no dim 0 to hold one row per sample of the batch "
+                f"of {mine}; pass per-sample rows, e.g. loss.repeat(batch_size) as Accelerate's "
+                "scripts do, or gather a per-batch value with accel.gather(ctx, value[None])."
             )
+    per_sample = all(leaf.shape[0] == mine for leaf in leaves)
+    keep = _round_samples(loader.plan, layout)
     if loader.plan.world_size == 1:
-        return unflatten(treedef, [leaf[: mine - pad] for leaf in leaves])
-    if any(size == 0 for size, _ in layout):  # ranks past their last batch join with nothing
-        real_leaves = [leaf[: mine - pad] for leaf in leaves]
-        return gather_parts(ctx, (treedef, real_leaves), leaves[0].device if leaves else None)
-    return _gather_padded(ctx, leaves, treedef, layout)
+        if per_sample:
+            return unflatten(treedef, [leaf[: mine - pad] for leaf in leaves])
+        return unflatten(treedef, [leaf[:keep] for leaf in leaves])
+    if any(size != layout[0][0] for size, _ in layout):  # an uneven round; some may have none
+        part = (per_sample, treedef, leaves, mine - pad, keep)
+        return _gather_uneven(ctx, part, leaves[0].device if leaves else None)
+    if per_sample:
+        return _gather_padded(ctx, leaves, treedef, layout)
+    hint = "Every rank must pass leaves of the same structure, dtypes and shapes."
+    everyone = gather_leaves(ctx, fn, leaves, treedef, hint)  # shapes agree, so does per_sample
+    return unflatten(treedef, [g[:keep] for g in everyone])
+
+
+def _round_samples(plan: ShardPlan, layout: Layout) -> int | None:
+    """How many real samples the round holds when it is short of a full step (the last round),
+    Accelerate's `remainder`; None for a full round, or when steps vary in size."""
+    real = sum(size - pad for size, pad in layout)
+    full = plan.step_samples
+    return real if full is not None and real < full else None
+
+
+def _gather_uneven(ctx: RunContext, part: Any, device: torch.device | None) -> Any:
+    """A round whose batches differ in size (even_batches=False, or ranks past their last batch,
+    which pass None): every rank's rows through one object exchange. Per-sample leaves go
+    without their repeats; if any rank's leaves are not per-sample (`loss.repeat(n)`),
+    everything is concatenated in rank order and cut to the round's real samples (Accelerate's
+    rule). Lists of Python objects from the other ranks are joined as `gather_parts` joins."""
+    if part is not None:
+        per_sample, treedef, leaves, real, keep = part
+        leaves = [leaf[:real].cpu() if per_sample else leaf.cpu() for leaf in leaves]
+        part = (per_sample, treedef, leaves, keep)
+    parts = [p for p in gather_object(ctx, part) if p is not None]
+    if not parts:
+        return []
+    if isinstance(parts[0], list):  # the others gathered decoded objects
+        return [item for p in parts for item in p]
+    _, treedef, _, keep = parts[0]
+    cut = None if all(p[0] for p in parts) else keep
+    to = device if device is not None else torch.device("cpu")
+    return unflatten(
+        treedef,
+        [torch.cat([p[2][i] for p in parts])[:cut].to(to) for i in range(len(parts[0][2]))],
+    )
 
 
 def _gather_padded(ctx: RunContext, leaves: list[Any], treedef: Any, layout: Layout) -> Any:
-    """Pad every rank's batch to the longest (even_batches=False), gather the whole tree in one
-    checked exchange, then keep each rank's real samples."""
+    """Gather a round of equal batches in one checked exchange (padded to the longest should
+    they differ), then keep each rank's real samples."""
     longest = max(size for size, _ in layout)
     padded = [pad_tensor(leaf, 0, longest, 0, False) for leaf in leaves]
     hint = (
@@ -245,7 +292,7 @@ def _join_without_batch(ctx: RunContext, tree: Any, loader: ShardedLoader) -> An
     """Take part in a round this rank has no batch in: contribute nothing, get the others'."""
     leaves = flatten(tree)[0]
     passed = [x for x in leaves if not (isinstance(x, torch.Tensor) and x.ndim and not len(x))]
-    out = gather_parts(ctx, None, loader.device) if loader.plan.world_size > 1 else []
+    out = _gather_uneven(ctx, None, loader.device) if loader.plan.world_size > 1 else []
     if passed:  # after the collective, so the other ranks are not left waiting
         raise ValueError(
             "gather_for_metrics: this rank's loop over the loader has ended, so it has no batch "

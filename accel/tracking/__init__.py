@@ -45,8 +45,9 @@ __all__ = [
     "register_tracker",
 ]
 
-# Keys of a JSONL record that carry accel's own data, so no metric may use them.
-_RESERVED = frozenset({"step", "hparams"})
+# The key of a JSONL line that carries the hyper-parameters, so no metric may use it. A metric
+# named "step" is allowed (Accelerate's scripts log one): JSONLTracker checks it equals step=.
+_RESERVED = frozenset({"hparams"})
 
 
 @runtime_checkable
@@ -54,8 +55,9 @@ class Tracker(Protocol):
     """What `log_metrics` and `log_hparams` need from a tracker; write your own to plug in
     another service (wandb, MLflow, ...)."""
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
-        """Record `metrics` (name to number) at `step`."""
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        """Record `metrics` at `step`: name to a number, a string, or a dict of names to
+        numbers (Accelerate's tracker values)."""
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         """Record the run's hyper-parameters (called at most once per tracker)."""
@@ -68,16 +70,32 @@ def _number(key: str, value: Any) -> float | int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"log_metrics: metrics[{key!r}] is a tensor of shape {tuple(value.shape)}; "
-                f"expected one number. Reduce it first, e.g. {key}=loss.mean()."
+                f"log_metrics: metrics[{key}] is a tensor of shape {tuple(value.shape)}; "
+                f"expected one number. Reduce it first, e.g. loss.mean()."
             )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"log_metrics: metrics[{key!r}]={value!r} is a {type(value).__name__}; expected a "
-            "number or a one-element tensor."
+            f"log_metrics: metrics[{key}]={value!r} is a {type(value).__name__}; expected a "
+            "number, a one-element tensor, a string, or a dict of names to numbers."
         )
     return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _value(key: str, value: Any) -> float | int | str | dict[str, float | int]:
+    """A metric as trackers get it: numbers and strings as they are, tensors as numbers, a dict
+    (an `evaluate` metric's result, as GLUE's script logs it) as a dict of numbers."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"log_metrics: metrics[{key!r}] has the key {name!r}; a dict value maps "
+                    "names (strings) to numbers."
+                )
+        return {name: _number(f"{key!r}][{name!r}", v) for name, v in value.items()}
+    return _number(repr(key), value)
 
 
 def _check_trackers(function: str, trackers: Any) -> Sequence[Tracker]:
@@ -102,12 +120,15 @@ def log_metrics(
 
     Args:
         ctx: the run context; only `ctx.is_main` logs.
-        metrics: metric name to a number or a one-element tensor (read with `.item()`).
+        metrics: metric name to a number, a one-element tensor (read with `.item()`), a
+            string, or a dict of names to numbers (what Accelerate's trackers accept; each
+            tracker stores it in its own form, docs/tracking.md). A metric named "step" is
+            logged as a metric, as Accelerate logs it; `step=` stays the step.
         step: the step the values belong to, an int >= 0 (usually the optimizer step).
         trackers: the trackers to write to, e.g. `[JSONLTracker("out/metrics.jsonl")]`.
 
     Raises:
-        TypeError: for a value that is not a number, or `trackers` that is not a sequence.
+        TypeError: for a value that is none of those, or `trackers` that is not a sequence.
         ValueError: for a negative step, a tensor with several elements, or a reserved name.
 
     Example:
@@ -124,14 +145,14 @@ def log_metrics(
         return
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"log_metrics: step={step!r} must be an int >= 0, e.g. step=global_step.")
-    values: dict[str, float | int] = {}
+    values: dict[str, Any] = {}
     for key, value in metrics.items():
         if not isinstance(key, str) or key in _RESERVED:
             raise ValueError(
                 f"log_metrics: metric name {key!r} is not allowed; names are strings other than "
                 f"{sorted(_RESERVED)}. Rename the metric."
             )
-        values[key] = _number(key, value)
+        values[key] = _value(key, value)
     for tracker in trackers:
         tracker.log(values, step=step)
 
@@ -175,7 +196,7 @@ class _OffMainTracker:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         pass
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:

@@ -90,8 +90,15 @@ class JSONLTracker(OnceTracker):
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
-        self._write({"step": step, **{k: jsonable(v) for k, v in metrics.items()}})
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        # A metric named "step" (Accelerate's scripts log one) shares the line's "step" key,
+        # so it must be the step itself; a dict value is stored as a JSON object.
+        if "step" in metrics and metrics["step"] != step:
+            raise ValueError(
+                f"JSONLTracker: metrics['step']={metrics['step']!r} differs from step={step!r}; "
+                "a line has one step. Log the metric under another name, e.g. 'batch_step'."
+            )
+        self._write({"step": step, **{k: jsonable(v) for k, v in metrics.items() if k != "step"}})
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         self._claim_hparams()
@@ -146,10 +153,17 @@ class TensorBoardTracker(OnceTracker):
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         return self._writer
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        # Accelerate's forms: numbers as scalars, strings as text, a dict through add_scalars
+        # (one sub-run folder per key, `log_dir/<name>_<key>`, drawn on one chart).
         writer = self._get_writer()
         for key, value in metrics.items():
-            writer.add_scalar(key, value, global_step=step)
+            if isinstance(value, str):
+                writer.add_text(key, value, global_step=step)
+            elif isinstance(value, Mapping):
+                writer.add_scalars(key, dict(value), global_step=step)
+            else:
+                writer.add_scalar(key, value, global_step=step)
         writer.flush()
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ class WandbTracker(OnceTracker):
             )
         return self.run
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         self._get_run().log(dict(metrics), step=step)
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -139,12 +140,26 @@ class MLflowTracker(OnceTracker):
             self.run_id = self.client.create_run(experiment, run_name=self.run_name).info.run_id
         return self.run_id
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         from mlflow.entities import Metric
 
+        # MLflow keeps numbers only: a dict value becomes one metric per key ("accuracy/f1");
+        # a string cannot be a metric (Accelerate drops it with a warning, as here).
+        numbers: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if isinstance(value, str):
+                warnings.warn(
+                    f"MLflowTracker: metrics[{key!r}]={value!r} is a string, which MLflow cannot "
+                    "store as a metric; it is not logged. Log it as a tag or a parameter.",
+                    stacklevel=3,
+                )
+            elif isinstance(value, Mapping):
+                numbers.update((f"{key}/{name}", v) for name, v in value.items())
+            else:
+                numbers[key] = value
         run_id = self._get_run_id()
         now = int(time.time() * 1000)
-        batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+        batch = [Metric(key, float(value), now, step) for key, value in numbers.items()]
         self.client.log_batch(run_id, metrics=batch, synchronous=True)
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -204,7 +219,7 @@ class TrackioTracker(OnceTracker):
             )
         return self.run
 
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None:
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         self._start(None).log(dict(metrics), step=step)
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:

@@ -97,6 +97,16 @@ def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
                 got = accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10, loader=sparse)
             out += got if isinstance(got, list) else got.tolist()
         res[kind] = out
+    # the no_trainer scripts' loss.repeat(batch_size) in an uneven round (Accelerate's rule:
+    # every rank's rows in rank order, cut to the round's real samples, 3 of them)
+    sparse = accel.shard_loader(ctx, DataLoader(list(range(3)), batch_size=2), even_batches=False)
+    rounds, it, out = max(accel.gather_object(ctx, len(sparse))), iter(sparse), []
+    for _ in range(rounds):
+        b = next(it, None)
+        loss = None if b is None else b.float().mean().repeat(2)
+        got = accel.gather_for_metrics(ctx, [] if loss is None else loss, loader=sparse)
+        out += got if isinstance(got, list) else got.tolist()
+    res["repeat_sparse"] = out
     return res
 
 
@@ -150,6 +160,7 @@ def test_a_rank_without_a_batch_contributes_nothing(world: tuple[int, str, list[
     for res in results:
         assert res["objects_sparse"] == ["s0", "s1", "s2"]
         assert res["tensors_sparse"] == [0, 10, 20]
+        assert res["repeat_sparse"] == [0.5, 0.5, 2.0]
 
 
 def test_early_break_gathers_the_rounds_seen(world: tuple[int, str, list[Any]]) -> None:

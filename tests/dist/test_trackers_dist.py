@@ -154,3 +154,28 @@ def test_trackio_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ]
     assert logged == _expected()
     assert len(configs) == 1 and {k: json.loads(configs[0][0])[k] for k in CONFIG} == CONFIG
+
+
+@pytest.mark.slow
+def test_mlflow_takes_a_dict_as_metrics_and_warns_for_a_string(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from accel import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ctx = RunContext.single()
+    with MLflowTracker("accel-test", tracking_uri=uri) as tracker:
+        metrics = {"accuracy": {"accuracy": 0.75, "f1": 0.5}, "note": "ok", "step": 6}
+        with pytest.warns(UserWarning, match=r"metrics\['note'\]='ok' is a string"):
+            log_metrics(ctx, metrics, step=6, trackers=[tracker])
+        run_id = tracker.run_id
+    client = MlflowClient(tracking_uri=uri)
+    history = {
+        key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+        for key in client.get_run(run_id).data.metrics
+    }
+    assert history == {
+        "accuracy/accuracy": [(6, 0.75)],
+        "accuracy/f1": [(6, 0.5)],
+        "step": [(6, 6.0)],
+    }
