@@ -9,7 +9,7 @@ from importlib import metadata
 
 from accel import config as _config
 
-# The name accel is installed under (`pip install accel-train`); `import accel` is unchanged.
+# The distribution name accel is installed under; `import accel` is unchanged.
 DISTRIBUTION = "accel-train"
 
 
