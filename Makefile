@@ -13,6 +13,11 @@ PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c const
 # by the list of those files makes `make` link again when a module is added or removed.
 LINKS  := $(VENV)/.links-$(shell find accel accel_cli -name '*.py' -o -name py.typed | sort | cksum | cut -d' ' -f1)
 
+# NO_INSTALL=1 runs a target with .venv as it is, never installing into it (tests of the targets).
+NO_INSTALL ?=
+INSTALLED      := $(if $(NO_INSTALL),,$(STAMP) $(LINKS))
+INSTALLED_DEMO := $(if $(NO_INSTALL),,$(DEMO_STAMP) $(LINKS))
+
 .PHONY: demo test test-fast lint typecheck bench clean dist gpu-check deepspeed-ops
 
 define venv
@@ -42,25 +47,25 @@ $(LINKS): | $(DEMO_STAMP)
 deepspeed-ops:
 	$(PY) -c "import accel; print(f'DeepSpeed ops ready ({accel.build_deepspeed_ops(remove_stale_lock=True):.0f} s)')"
 
-demo: $(DEMO_STAMP) $(LINKS)
+demo: $(INSTALLED_DEMO)
 	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo
 
 # The whole suite. pytest's exit code 5 (no test collected) fails the target like any other
 # non-zero code: an empty run never passes. The slowest tests are listed so the suite's time
 # (CI's budget is 25 minutes) is watched where it goes.
-test: $(STAMP) $(LINKS)
+test: $(INSTALLED)
 	$(PYTEST) -q --durations=25
 
 # Everything but the tests marked `slow` (processes, subprocesses, seconds each): under 2 minutes
 # on a loaded 2-core machine. `make test` (and CI) still runs the whole suite.
-test-fast: $(STAMP) $(LINKS)
+test-fast: $(INSTALLED)
 	$(PYTEST) -q -m "not slow"
 
-lint: $(STAMP) $(LINKS)
+lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP) $(LINKS)
+typecheck: $(INSTALLED)
 	$(VENV)/bin/mypy accel accel_cli
 
 # The GPU check runs with the machine's own python and packages (no venv, no download):
