@@ -302,6 +302,17 @@ def _report(times: dict[str, list[float]], total: int, model_bytes: int, rounds:
         med_ratio = f"{med[ref] / med[name]:.2f}x" if ref else ""
         print(f"| {name} | {best[name]:.3f} | {size / best[name]:.0f} | {ratio} "
               f"| {med[name]:.3f} | {med_ratio} |")  # fmt: skip
+    pairs = [
+        hand / ours
+        for hand, ours in zip(
+            times["hand save model (durable)"], times["accel save_model"], strict=True
+        )
+    ]  # the two model saves run back to back in each round: their ratio round by round
+    print(
+        "\nsave_model against the hand-written save, round by round: "
+        + " ".join(f"{p:.2f}x" for p in pairs)
+        + f"; median {statistics.median(pairs):.2f}x (DESIGN.md's target: at least 0.9x)"
+    )
     print("\nEvery round, in seconds:\n")
     for name, _, _ in rows:
         print(f"- {name}: {' '.join(f'{t:.2f}' for t in times[name])}")
