@@ -1,19 +1,45 @@
 # Set-up and checks. Each target creates .venv on first use; `constraints.txt` pins the torch the
 # suite is tested against, so a CPU machine installs the local CPU wheel instead of a CUDA build.
+# `make demo` installs what the demo needs (the `demo` extra: torch, accel's own dependencies and
+# matplotlib); `make test` and the other checks add the `dev` extra (the test stack, every
+# integration, the linters) into the same .venv and build DeepSpeed's CPU op once.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST ?= $(PY) -m pytest
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# The editable install links each of the package's files (pyproject.toml says why): a stamp named
+# by the list of those files makes `make` link again when a module is added or removed.
+LINKS  := $(VENV)/.links-$(shell find accel accel_cli -name '*.py' -o -name py.typed | sort | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-fast lint typecheck bench clean gpu-check deepspeed-ops
+# NO_INSTALL=1 runs a target with .venv as it is, never installing into it (tests of the targets).
+NO_INSTALL ?=
+INSTALLED      := $(if $(NO_INSTALL),,$(STAMP) $(LINKS))
+INSTALLED_DEMO := $(if $(NO_INSTALL),,$(DEMO_STAMP) $(LINKS))
 
-$(STAMP): pyproject.toml constraints.txt
+.PHONY: demo test test-fast lint typecheck bench clean dist gpu-check deepspeed-ops
+
+define venv
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# The distribution was named `accel` before it became `accel-train`: drop an old install.
 	$(PY) -m pip uninstall --quiet --yes accel 2>/dev/null || true
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+endef
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	$(venv)
+	$(PIP_INSTALL) -e '.[demo]'
+	rm -f $(VENV)/.links-* && touch $(LINKS) $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(venv)
+	$(PIP_INSTALL) -e '.[dev]'
 	$(MAKE) --no-print-directory deepspeed-ops
-	touch $(STAMP)
+	rm -f $(VENV)/.links-* && touch $(LINKS) $(DEMO_STAMP) $(STAMP)
+
+$(LINKS): | $(DEMO_STAMP)
+	$(PIP_INSTALL) --no-deps -e .
+	rm -f $(VENV)/.links-* && touch $(LINKS)
 
 # DeepSpeed compiles a C++ op the first time an engine starts on a CPU (minutes on 2 cores);
 # build it once here, into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so no test
@@ -21,25 +47,25 @@ $(STAMP): pyproject.toml constraints.txt
 deepspeed-ops:
 	$(PY) -c "import accel; print(f'DeepSpeed ops ready ({accel.build_deepspeed_ops(remove_stale_lock=True):.0f} s)')"
 
-demo: $(STAMP)
+demo: $(INSTALLED_DEMO)
 	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo
 
 # The whole suite. pytest's exit code 5 (no test collected) fails the target like any other
 # non-zero code: an empty run never passes. The slowest tests are listed so the suite's time
 # (CI's budget is 25 minutes) is watched where it goes.
-test: $(STAMP)
+test: $(INSTALLED)
 	$(PYTEST) -q --durations=25
 
 # Everything but the tests marked `slow` (processes, subprocesses, seconds each): under 2 minutes
 # on a loaded 2-core machine. `make test` (and CI) still runs the whole suite.
-test-fast: $(STAMP)
+test-fast: $(INSTALLED)
 	$(PYTEST) -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(INSTALLED)
 	$(VENV)/bin/mypy accel accel_cli
 
 # The GPU check runs with the machine's own python and packages (no venv, no download):
@@ -54,5 +80,15 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHONPATH=. $(PYTHON) tools/gpu_check.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
+# The sdist and the wheel a user can install without a checkout (docs/releasing.md), into dist/;
+# needs only the `build` package (installed into .venv if missing), not torch.
+# BUILD_FLAGS=--no-isolation builds with the venv's setuptools instead of a fresh one (offline).
+BUILD_FLAGS ?=
+dist:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m build --version >/dev/null 2>&1 || $(PY) -m pip install --quiet build
+	rm -rf dist
+	$(PY) -m build $(BUILD_FLAGS) --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -8,8 +8,10 @@ Each sample is a piece of one speech, so samples have different lengths: the los
 over every real token of the global batch (`num_items_in_batch`), not a mean of batch means.
 Everything the run writes goes under --out: checkpoints/step-N (every --ckpt_every steps, the
 newest two kept), metrics.jsonl, loss.csv and the loss curve loss.png (with matplotlib, which the
-`dev` extra installs). --resume continues from the newest complete checkpoint and ends with
-exactly the losses an uninterrupted run has. At the end rank 0 prints a sample of generated text.
+`demo` and `dev` extras install). A fresh run starts metrics.jsonl anew, so running it twice
+draws the same curve; --resume continues from the newest complete checkpoint, adds to the
+record, and ends with exactly the losses an uninterrupted run has. At the end rank 0 prints a
+sample of generated text.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def generate(model: nn.Module, prompt: str, length: int, device: torch.device) -
 def plot_losses(out: Path) -> str:
     """Write loss.csv (and loss.png when matplotlib is installed) from metrics.jsonl."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "step" in r]
+    # A resumed run logs again the steps after its checkpoint: the last record of a step wins.
+    rows = sorted({r["step"]: r for r in rows if "step" in r}.values(), key=lambda r: r["step"])
     (out / "loss.csv").write_text(
         "step,train_loss,val_loss\n"
         + "".join(f"{r['step']},{r['train_loss']},{r.get('val_loss', '')}\n" for r in rows)
@@ -147,6 +150,8 @@ def main() -> None:
     if args.resume and (latest := accel.latest_checkpoint(args.out / "checkpoints")) is not None:
         accel.load_state(ctx, latest, **state)
     step = scheduler.last_epoch  # optimizer steps taken so far
+    if step == 0 and ctx.is_main:  # a fresh run starts its own record; a resumed one adds to it
+        (args.out / "metrics.jsonl").unlink(missing_ok=True)
     tracker = accel.JSONLTracker(args.out / "metrics.jsonl") if ctx.is_main else None
     trackers = [tracker] if tracker is not None else []
     if step == 0:

@@ -72,7 +72,7 @@ def _blocks_and_outputs(page: Path) -> list[tuple[int, str, str | None]]:
     text = page.read_text()
     fences = list(FENCE.finditer(text))
     found = []
-    for m, after in zip(fences, [*fences[1:], None], strict=True):
+    for m, after in zip(fences, [*fences[1:], None][: len(fences)], strict=True):  # none: []
         if m.group(1) != "python":
             continue
         follows = after is not None and not text[m.end() : after.start()].strip()

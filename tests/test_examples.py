@@ -162,3 +162,22 @@ def test_char_lm_killed_mid_run_and_resumed_ends_like_an_uninterrupted_run(tmp_p
     final, reference = _last_metrics(tmp_path / "killed"), _last_metrics(tmp_path / "straight")
     assert final["step"] == 40
     assert final == reference  # bit-identical losses, learning rate and validation loss
+
+
+@pytest.mark.slow
+def test_char_lm_run_twice_into_one_folder_draws_the_same_curve(tmp_path: Path) -> None:
+    """A second `make demo` appended its losses to the first's, so loss.png drew a line from
+    the last step back to step 1: a fresh run starts its own record (issue 37 item 6)."""
+    argv = ["--steps", "6", "--ckpt_every", "6", "--eval_every", "3", "--out", "run"]
+    curves = []
+    for _ in range(2):
+        run = accel_cli(
+            tmp_path, "launch", "--num_processes", "2", "--gradient_accumulation_steps", "2",
+            str(EXAMPLES / "char_lm.py"), *argv,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+        curves.append((tmp_path / "run" / "loss.csv").read_text())
+    assert [len(c.splitlines()) for c in curves] == [1 + 6, 1 + 6]
+    assert curves[1] == curves[0]
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r).get("step") for r in records] == [None, 1, 2, 3, 4, 5, 6]

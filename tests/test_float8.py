@@ -220,7 +220,7 @@ def test_fp8_without_torchao_names_the_extra() -> None:
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: wrap_model: ctx.precision='fp8' trains Linear layers")
-    assert "pip install 'accel-train[fp8]'" in last
+    assert "`pip install torchao` (or `pip install -e '.[fp8]'` in accel's checkout)" in last
 
 
 def test_import_accel_does_not_import_torchao() -> None:

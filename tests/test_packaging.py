@@ -10,6 +10,8 @@ directory, and the install must still win.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import accel
+from tests.cli.test_cli import _env
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "accel-train"  # `pip install accel` is an unrelated package on the index
@@ -30,13 +33,19 @@ PROBE = (
 pytestmark = pytest.mark.slow
 
 
-def _checkout(parent: Path) -> Path:
-    """A copy of what a clone holds for packaging, in a folder named `accel` under `parent`."""
+def _checkout(parent: Path, *, everything: bool = False) -> Path:
+    """A copy of what a clone holds for packaging, in a folder named `accel` under `parent`;
+    with `everything`, also the folders beside the package and the Makefile."""
     checkout = parent / "accel"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for package in ("accel", "accel_cli"):  # the library, and the command's torch-free parser
-        shutil.copytree(ROOT / package, checkout / package, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    folders = ("accel", "accel_cli")  # the library, and the command's torch-free parser
+    files = ("pyproject.toml", "README.md", "LICENSE")
+    if everything:
+        folders += ("tests", "tools", "examples", "benchmarks")
+        files += ("Makefile", "constraints.txt")
+    for folder in folders:
+        shutil.copytree(ROOT / folder, checkout / folder, ignore=ignore)
+    for name in files:
         shutil.copy(ROOT / name, checkout / name)
     return checkout
 
@@ -73,27 +82,18 @@ def _pip(python: Path, *argv: str) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def _isolated() -> dict[str, str]:
+    """This environment minus PYTHONPATH, which would put a checkout on the venv's path."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _probe(python: Path, cwd: Path) -> list[str]:
     run = subprocess.run(
-        [str(python), "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+        [str(python), "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=cwd,
+        env=_isolated(),
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.split()
-
-
-def test_the_readme_install_line_installs_accel_by_its_name(tmp_path: Path) -> None:
-    checkout = _checkout(tmp_path)
-    python = _fresh_venv(tmp_path / "venv", _dependencies(tmp_path / "deps"))
-    _pip(python, f"{checkout}[tensorboard]")  # README: pip install '.[tensorboard]'
-    site = Path(sysconfig.get_paths(vars={"base": str(tmp_path / "venv")})["purelib"])
-    where, version = _probe(python, cwd=tmp_path)  # tmp_path holds the checkout `accel/`
-    assert (Path(where), version) == (site / "accel" / "__init__.py", accel.__version__)
-    env = subprocess.run(
-        [str(tmp_path / "venv" / "bin" / "accel"), "env"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert env.returncode == 0, env.stderr
-    assert f"- accel ({DISTRIBUTION}): {accel.__version__}, imported from {where}" in env.stdout
 
 
 def test_a_development_install_imports_the_checkout_from_its_parent_folder(
@@ -103,4 +103,102 @@ def test_a_development_install_imports_the_checkout_from_its_parent_folder(
     python = _fresh_venv(tmp_path / "venv", _dependencies(tmp_path / "deps"))
     _pip(python, "--no-deps", "--editable", str(checkout))
     where, version = _probe(python, cwd=tmp_path)
-    assert (Path(where), version) == (checkout / "accel" / "__init__.py", accel.__version__)
+    # A link to the checkout's file (pyproject.toml's editable mode): edits show at once.
+    assert Path(where).resolve() == checkout / "accel" / "__init__.py"
+    assert version == accel.__version__
+
+
+def test_a_development_install_makes_only_accel_importable(tmp_path: Path) -> None:
+    """The checkout's own tests/, tools/, examples/ and benchmarks/ must not import from
+    everywhere in the venv, where they shadowed a user's `tests` package (issue 37 item 10)."""
+    checkout = _checkout(tmp_path, everything=True)
+    python = _fresh_venv(tmp_path / "venv", _dependencies(tmp_path / "deps"))
+    _pip(python, "--no-deps", "--editable", str(checkout))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probe = (
+        "import importlib.util as u, accel, accel_cli; "
+        "print([n for n in ('tests', 'tools', 'examples', 'benchmarks') if u.find_spec(n)])"
+    )
+    run = subprocess.run(
+        [str(python), "-c", probe], capture_output=True, text=True, timeout=300, cwd=elsewhere,
+        env=_isolated(),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]", f"importable from the checkout: {run.stdout}"
+
+
+def _readme_install_lines() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Install") :]
+    block = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M)
+    assert block is not None, "README's Install section has no bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def _venv_with_pip(folder: Path, deps: Path) -> Path:
+    """A fresh venv whose `pip` command is this environment's pip (linked with the rest)."""
+    python = _fresh_venv(folder, deps)
+    pip = folder / "bin" / "pip"
+    pip.write_text(f"#!{python}\nimport sys\nfrom pip._internal.cli.main import main\n"
+                   "sys.exit(main())\n")  # fmt: skip
+    pip.chmod(0o755)
+    return python
+
+
+def test_the_readme_install_lines_run_as_written(tmp_path: Path) -> None:
+    """Each line of README's install block, run by bash in the checkout's folder as written:
+    each `pip install` into a fresh venv, `make dist` with the venv's python. Offline: the
+    venvs link this environment's packages (torch included), pip uses no index and builds
+    with the installed setuptools; the wheel's install then passes `accel test`."""
+    lines = _readme_install_lines()
+    assert [line.split("#")[0].split()[:2] for line in lines] == [
+        ["pip", "install"], ["pip", "install"], ["make", "dist"], ["pip", "install"],
+    ]  # fmt: skip
+    checkout = _checkout(tmp_path, everything=True)
+    deps = _dependencies(tmp_path / "deps")
+    python = None
+    for i, line in enumerate(lines):
+        if line.startswith("pip"):
+            python = _venv_with_pip(tmp_path / f"venv{i}", deps)
+        assert python is not None
+        env = {
+            **_isolated(),
+            "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}",
+            "VIRTUAL_ENV": str(python.parent.parent),
+            "PIP_NO_INDEX": "1",
+            "PIP_NO_BUILD_ISOLATION": "0",  # pip's own reading: 0 turns isolation off
+            "MAKEFLAGS": f"PY={python} BUILD_FLAGS=--no-isolation",
+        }
+        run = subprocess.run(
+            ["bash", "-euc", line], cwd=checkout, env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, f"{line}\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+        if line.startswith("make dist"):
+            built = sorted(p.name for p in (checkout / "dist").iterdir())
+            version = accel.__version__
+            assert built == [f"accel_train-{version}-py3-none-any.whl",
+                             f"accel_train-{version}.tar.gz"]  # fmt: skip
+            continue
+        where, version = _probe(python, cwd=tmp_path)
+        assert version == accel.__version__
+        editable = "-e" in line.split()
+        site = Path(sysconfig.get_paths(vars={"base": str(python.parent.parent)})["purelib"])
+        assert Path(where).resolve() == (checkout if editable else site) / "accel" / "__init__.py"
+        if i == 0:  # `accel env` names the distribution and where accel was imported from
+            env_run = subprocess.run(
+                [str(python.parent / "accel"), "env"],
+                capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_isolated(),
+            )  # fmt: skip
+            assert env_run.returncode == 0, env_run.stderr
+            expected = f"- accel ({DISTRIBUTION}): {accel.__version__}, imported from {where}"
+            assert expected in env_run.stdout
+    # The wheel, installed without the checkout, runs accel's own check of the world.
+    check = subprocess.run(
+        [str(python.parent / "accel"), "test"],
+        env={k: v for k, v in _env(tmp_path).items() if k != "PYTHONPATH"},
+        capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr[-3000:]

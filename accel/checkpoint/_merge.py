@@ -126,7 +126,8 @@ def _merge_zero(src: Path, dst: Path, max_bytes: int, *, trust_pickle: bool) -> 
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as err:
         raise ImportError(
-            f"{_FN}: {str(src)!r} is a DeepSpeed checkpoint; pip install 'accel-train[deepspeed]'."
+            f"{_FN}: {str(src)!r} is a DeepSpeed checkpoint, which needs DeepSpeed: "
+            "`pip install deepspeed` (or `pip install -e '.[deepspeed]'` in accel's checkout)."
         ) from err
     state = get_fp32_state_dict_from_zero_checkpoint(str(src))
     write_model_files(dst, state, max_bytes)

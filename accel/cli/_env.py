@@ -13,7 +13,7 @@ from importlib import metadata
 
 from accel import config as _config
 
-# The name accel is installed under (`pip install accel-train`); `import accel` is unchanged.
+# The distribution name accel is installed under; `import accel` is unchanged.
 DISTRIBUTION = "accel-train"
 # accel's optional integrations (its extras: pyproject.toml), and the libraries scripts that
 # come from Accelerate pair it with; each is reported with its version or "not installed".

@@ -105,7 +105,7 @@ def wrap_model(
         NotImplementedError: for DDP combined with tensor parallelism, offload_params on a
             CPU run, context parallelism (cp > 1) off CUDA, or (fp8) a tp style torchao has no
             float8 twin of.
-        ImportError: for ctx.precision="fp8" without torchao (`accel-train[fp8]`).
+        ImportError: for ctx.precision="fp8" without torchao (the `fp8` extra).
         RuntimeError: for "ddp" when no process group is initialised, or a split world
             without a DeviceMesh.
 

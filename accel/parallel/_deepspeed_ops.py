@@ -18,8 +18,8 @@ def import_deepspeed() -> Any:
         import deepspeed
     except ImportError as err:
         raise ImportError(
-            "wrap_model: strategy='deepspeed' needs DeepSpeed: pip install "
-            "'accel-train[deepspeed]'."
+            "wrap_model: strategy='deepspeed' needs DeepSpeed: `pip install deepspeed` (or "
+            "`pip install -e '.[deepspeed]'` in accel's checkout)."
         ) from err
     return deepspeed
 

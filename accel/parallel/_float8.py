@@ -164,7 +164,7 @@ def import_float8() -> Any:
         raise ImportError(
             "wrap_model: ctx.precision='fp8' trains Linear layers through torchao's float8 "
             f"training, and torchao cannot be imported ({err}); install it with "
-            "`pip install 'accel-train[fp8]'` (or `pip install torchao`)."
+            "`pip install torchao` (or `pip install -e '.[fp8]'` in accel's checkout)."
         ) from err
     return float8
 

@@ -113,8 +113,8 @@ class JSONLTracker(OnceTracker):
 
 _TENSORBOARD_MISSING = (
     "TensorBoardTracker needs the optional 'tensorboard' package, which is not installed. "
-    "Install it with `pip install 'accel-train[tensorboard]'` (or `pip install tensorboard`), "
-    "or use JSONLTracker."
+    "Install it with `pip install tensorboard` (or `pip install -e '.[tensorboard]'` in accel's "
+    "checkout), or use JSONLTracker."
 )
 
 

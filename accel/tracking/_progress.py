@@ -106,7 +106,7 @@ def progress(
         if ctx.is_main:
             warnings.warn(
                 "progress: tqdm is not installed, so no progress bar is shown; install it with "
-                "`pip install 'accel-train[tqdm]'`.",
+                "`pip install tqdm` (or `pip install -e '.[tqdm]'` in accel's checkout).",
                 stacklevel=2,
             )
         return _SilentBar(iterable, None if total is None else int(total))

@@ -19,7 +19,7 @@ from accel.tracking._files import OnceTracker, jsonable
 def _missing(tracker: str, package: str) -> str:
     return (
         f"{tracker} needs the optional '{package}' package, which is not installed. Install it "
-        f"with `pip install 'accel-train[{package}]'` (or `pip install {package}`)."
+        f"with `pip install {package}` (or `pip install -e '.[{package}]'` in accel's checkout)."
     )
 
 
