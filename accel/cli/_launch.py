@@ -189,7 +189,10 @@ def worker_environment(config: _config.Config) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from accel.cli import _signals
 
     config = resolve_config(args)
     _config.check_launch_environment(config)
@@ -197,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
+    for key, value in _signals.agent_environment().items():
+        os.environ.setdefault(key, value)
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
     accelerate_env, unreachable = accelerate_environment(config)
@@ -208,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     except ChildFailedError as err:
         print(failure_summary(err.failures), file=sys.stderr)
         return 1
+    except SignalException as err:  # a scheduler's stop signal, forwarded to the workers
+        return _signals.exit_after_signal(err)
     return 0
 
 
