@@ -19,7 +19,7 @@ from types import FrameType
 from accel.context import RunContext
 from accel.process_control import any_rank
 
-__all__ = ["DEFAULT_SIGNALS", "Preemption", "preemption"]
+__all__ = ["Preemption", "preemption"]
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 """Kubernetes' and torchrun's stop signal, and the one SLURM examples name in `--signal`."""
@@ -77,7 +77,7 @@ def _signals(names: Sequence[str | signal.Signals]) -> list[signal.Signals]:
             f"preemption: signals={names!r} is not a non-empty sequence of signals; expected "
             f"{allowed}. Pass e.g. signals=('SIGTERM', 'SIGUSR1')."
         )
-    out = []
+    out: list[signal.Signals] = []
     for name in names:
         if isinstance(name, signal.Signals):
             sig = name

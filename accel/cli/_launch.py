@@ -21,6 +21,7 @@ from typing import Any
 
 from accel import _env_vars
 from accel import config as _config
+from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
 from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
 
@@ -191,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from accel.cli import _signals
 
     config = resolve_config(args)
     _config.check_launch_environment(config)

@@ -29,6 +29,7 @@ def agent_environment() -> dict[str, str]:
 
 def _worker_exit_codes(tb: TracebackType | None) -> dict[int, int | None] | None:
     """Each local worker's exit code, from the agent whose `run` the exception left."""
+    # torch only once the agent has run: `accel --help` answers without importing torch.
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     while tb is not None:

@@ -93,8 +93,8 @@ accel.shutdown(ctx)
 
 
 def _environment(tmp: Path, tag: str) -> dict[str, str]:
-    env = cli_env(tmp)
-    env = {k: v for k, v in env.items() if "SLURM" not in k and k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}  # fmt: skip
+    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    env = {k: v for k, v in cli_env(tmp).items() if "SLURM" not in k and k not in drop}
     env["PREEMPTION_TEST_TAG"] = tag  # finds every process the test started, reparented too
     return env
 
