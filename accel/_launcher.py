@@ -27,6 +27,7 @@ class LaunchEnv:
     num_nodes: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    device: str | None = None  # the device the launcher assigned (Ray's ACCELERATE_TORCH_DEVICE)
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
@@ -85,16 +86,18 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
             world_size=world_size,
             local_world_size=local_world_size,
-            # Without torchrun's GROUP_RANK (a Kubeflow PyTorchJob pod runs one process per
-            # pod with RANK and WORLD_SIZE only) the node follows from the rank.
-            node_rank=(
-                _int(environ, "GROUP_RANK")
-                if "GROUP_RANK" in environ
-                else _int(environ, "RANK") // local_world_size
+            # torchrun's GROUP_RANK, else Ray Train's NODE_RANK (ray/train/torch/config.py);
+            # without either (a Kubeflow PyTorchJob pod runs one process per pod with RANK and
+            # WORLD_SIZE only) the node follows from the rank.
+            node_rank=next(
+                (_int(environ, key) for key in ("GROUP_RANK", "NODE_RANK") if key in environ),
+                _int(environ, "RANK") // local_world_size,
             ),
             num_nodes=num_nodes,
             master_addr=environ.get("MASTER_ADDR"),
             master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+            # Ray Train's TorchTrainer sets the device it gave this worker (for Accelerate).
+            device=environ.get("ACCELERATE_TORCH_DEVICE") or None,
         )
     if "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS") > 1:
         world_size = _int(environ, "SLURM_NTASKS")

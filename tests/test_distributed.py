@@ -226,3 +226,37 @@ def test_mpirun_on_one_machine_meets_on_the_loopback() -> None:
     launch = parse_launch_env({**env, "MASTER_PORT": "4000"})
     assert (launch.master_addr, launch.master_port, launch.num_nodes) == ("127.0.0.1", 4000, 1)
     assert parse_launch_env({"OMPI_COMM_WORLD_SIZE": "1"}).launcher == "none"
+
+
+def test_a_group_another_framework_made_is_joined_and_left_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What Ray Train's TorchTrainer does before the user's function runs
+    # (ray/train/torch/config.py): it creates the default group, then sets torchrun's variables
+    # plus NODE_RANK and ACCELERATE_TORCH_DEVICE.
+    for var in ("SLURM_PROCID", "ACCEL_CONFIG_FILE", "GROUP_RANK", "ACCEL_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+    ray_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "NODE_RANK": "0", "ACCELERATE_TORCH_DEVICE": "cpu"}  # fmt: skip
+    for key, value in ray_env.items():
+        monkeypatch.setenv(key, value)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        ctx = init_distributed(backend="gloo")
+        assert (ctx.device, ctx.sources["device"]) == (
+            torch.device("cpu"), "launcher ACCELERATE_TORCH_DEVICE",
+        )  # fmt: skip
+        assert ctx.sources["process_group"].startswith("existing default group")
+        shutdown(ctx)
+        assert torch.distributed.is_initialized()  # its creator destroys it, not accel
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ray_trains_node_rank_is_read() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "NODE_RANK": "1", "ACCELERATE_TORCH_DEVICE": "cuda:0"}  # fmt: skip
+    launch = parse_launch_env(env)
+    assert (launch.node_rank, launch.num_nodes, launch.device) == (1, 2, "cuda:0")
