@@ -96,6 +96,10 @@ from accel.precision import (
     optimizer_step,
     scaled_backward,
 )
+from accel.preemption import (
+    Preemption,
+    preemption,
+)
 from accel.process_control import (
     any_rank,
     local_main_process_first,
@@ -150,6 +154,7 @@ __all__ = [
     "Parallelism",
     "PerRank",
     "PipelineStages",
+    "Preemption",
     "RankLogger",
     "RunContext",
     "ShardBatch",
@@ -211,6 +216,7 @@ __all__ = [
     "pad_across_processes",
     "pipeline_stages",
     "pipeline_step",
+    "preemption",
     "profile",
     "progress",
     "reduce",

@@ -31,6 +31,10 @@ __all__ = ["init_distributed", "shutdown"]
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
+_JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
+"""`ctx.sources["process_group"]` for a group another framework (Ray Train) created."""
+
+
 def _as_timeout(value: float | timedelta | None) -> timedelta:
     if value is None:
         return _DEFAULT_TIMEOUT
@@ -125,6 +129,9 @@ def init_distributed(
             name="device" if source == "argument" else source.removeprefix("env "),
         )
         settings["device"] = (chosen, source)
+    elif launch.device is not None:
+        chosen = torch.device(launch.device)  # the launcher's (Ray's) choice, not a guess
+        settings["device"] = (chosen, "launcher ACCELERATE_TORCH_DEVICE")
     else:
         chosen = default_device(launch.local_rank)
         settings["device"] = (chosen, "default")
@@ -135,10 +142,11 @@ def init_distributed(
     # One process gets a group only when it asks for a backend (a one-GPU run checking NCCL):
     # collectives of a one-rank world need none, and creating one costs a rendezvous.
     grouped = launch.world_size > 1 or backend is not None
+    created = False
     if grouped:
         if backend is None:
             backend = "nccl" if chosen.type == "cuda" else "gloo"
-        _connect(launch, backend, wait)
+        created = _connect(launch, backend, wait)
     sources = {name: source for name, (_, source) in settings.items()}
     topology_source = "default" if launch.launcher == "none" else f"launcher {launch.launcher}"
     for name in ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "num_nodes"):
@@ -146,7 +154,9 @@ def init_distributed(
     sources |= {
         "backend": backend_source,
         "timeout": "argument" if timeout is not None else "default",
-        "process_group": "default group" if grouped else "default",
+        "process_group": (
+            ("default group" if created else _JOINED_GROUP) if grouped else "default"
+        ),
     }
     ctx = RunContext(
         rank=launch.rank,
@@ -174,7 +184,8 @@ def init_distributed(
     return with_mesh(ctx, chosen_sizes, source=source)
 
 
-def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
+def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> bool:
+    """Create the default group, or join the one that exists; True when it created it."""
     # The context refers to the default group as process_group=None rather than holding it:
     # a gloo group still referenced when the interpreter finalizes can abort the process
     # (https://github.com/pytorch/pytorch/pull/179291), and a RunContext often lives that long.
@@ -185,7 +196,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
                 f"init_distributed: a process group of world_size={dist.get_world_size()} "
                 f"already exists but the launcher says world_size={launch.world_size}."
             )
-        return
+        return False
     if launch.launcher == "torchrun":
         die_with_parent()
         # env:// honours torchrun's agent store. Workers restarted by the elastic agent
@@ -218,6 +229,7 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> None:
     # hooks run last-registered first: the group is destroyed, then gloo's threads drained.
     register_exit_guard()
     atexit.register(_destroy_default_group)
+    return True
 
 
 def _destroy_default_group() -> None:
@@ -230,7 +242,8 @@ def shutdown(ctx: RunContext) -> None:
     """Destroy the context's process group: the default group unless it names a sub-group.
 
     A no-op for a one-process context without a group (`init_distributed` in a plain `python`
-    process), and when torch has no group initialised any more; a one-rank group
+    process), for a default group `init_distributed` joined rather than created (Ray Train's:
+    its creator destroys it), and when torch has no group initialised any more; a one-rank group
     (`run_world(fn, world_size=1)`) is destroyed too. Call it on every rank at the end of a run.
 
     Args:
@@ -241,6 +254,8 @@ def shutdown(ctx: RunContext) -> None:
         >>> shutdown(init_distributed(device="cpu"))
     """
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
+    if ctx.process_group is None and ctx.sources.get("process_group") == _JOINED_GROUP:
+        return  # made by another framework (Ray Train), which destroys it itself
     if has_group and dist.is_initialized():
         # The group's destructor joins gloo's worker threads while this thread holds the GIL;
         # it runs here, or later when a DDP module still holding the group is freed (at a

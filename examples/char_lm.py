@@ -11,7 +11,9 @@ newest two kept), metrics.jsonl, loss.csv and the loss curve loss.png (with matp
 `demo` and `dev` extras install). A fresh run starts metrics.jsonl anew, so running it twice
 draws the same curve; --resume continues from the newest complete checkpoint, adds to the
 record, and ends with exactly the losses an uninterrupted run has. At the end rank 0 prints a
-sample of generated text.
+sample of generated text. A SIGTERM or SIGUSR1 (a cluster's pre-emption; signal `accel launch`)
+stops every rank at the next optimizer step, which is saved; the run exits 0 and continues with
+--resume (examples/slurm.sbatch and examples/pytorchjob.yaml run it on a cluster).
 """
 
 from __future__ import annotations
@@ -173,42 +175,51 @@ def main() -> None:
         model.train()
         return total / tokens
 
-    window: list[tuple[torch.Tensor, torch.Tensor]] = []
-    while step < args.steps:
-        for x, y in train:
-            window.append((x, y))
-            if len(window) < ctx.grad_accum_steps:
-                continue
-            n = accel.num_items_in_batch(ctx, [y for _, y in window], shift=False)  # y: next chars
-            for i, (xb, yb) in enumerate(window):
-                with accel.accumulate(ctx, model, i) as sync:
-                    with accel.autocast(ctx):
-                        loss_sum = token_loss(model, xb, yb).sum()
-                    accel.scaled_backward(
-                        ctx, loss_sum * ctx.world_size * ctx.grad_accum_steps / n, scaler=scaler
-                    )
-            assert sync
-            accel.clip_grad_norm_(ctx, model, 1.0, optimizer=optimizer, scaler=scaler)
-            accel.optimizer_step(ctx, optimizer, scaler=scaler)
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            window, step = [], step + 1
-            train_loss = accel.reduce(
-                ctx, loss_sum.detach() * ctx.world_size * ctx.grad_accum_steps / n, op="mean"
-            )
-            metrics = {"train_loss": train_loss.item(), "lr": scheduler.get_last_lr()[0]}
-            if step % args.eval_every == 0 or step == args.steps:
-                metrics["val_loss"] = evaluate()
-            accel.log_metrics(ctx, metrics, step=step, trackers=trackers)
-            if ctx.is_main and (step % 10 == 0 or "val_loss" in metrics):
-                print(
-                    f"step {step} " + " ".join(f"{k} {v:.6f}" for k, v in metrics.items()),
-                    flush=True,
+    with accel.preemption(ctx) as stop:
+        window: list[tuple[torch.Tensor, torch.Tensor]] = []
+        while step < args.steps:
+            for x, y in train:
+                window.append((x, y))
+                if len(window) < ctx.grad_accum_steps:
+                    continue
+                # y holds the next characters already: no shift
+                n = accel.num_items_in_batch(ctx, [y for _, y in window], shift=False)
+                for i, (xb, yb) in enumerate(window):
+                    with accel.accumulate(ctx, model, i) as sync:
+                        with accel.autocast(ctx):
+                            loss_sum = token_loss(model, xb, yb).sum()
+                        accel.scaled_backward(
+                            ctx, loss_sum * ctx.world_size * ctx.grad_accum_steps / n, scaler=scaler
+                        )
+                assert sync
+                accel.clip_grad_norm_(ctx, model, 1.0, optimizer=optimizer, scaler=scaler)
+                accel.optimizer_step(ctx, optimizer, scaler=scaler)
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                window, step = [], step + 1
+                train_loss = accel.reduce(
+                    ctx, loss_sum.detach() * ctx.world_size * ctx.grad_accum_steps / n, op="mean"
                 )
-            if step % args.ckpt_every == 0 or step == args.steps:
-                accel.save_checkpoint(ctx, args.out / "checkpoints", state, step=step, keep=2)
-            if step == args.steps:
-                break
+                metrics = {"train_loss": train_loss.item(), "lr": scheduler.get_last_lr()[0]}
+                if step % args.eval_every == 0 or step == args.steps:
+                    metrics["val_loss"] = evaluate()
+                accel.log_metrics(ctx, metrics, step=step, trackers=trackers)
+                if ctx.is_main and (step % 10 == 0 or "val_loss" in metrics):
+                    print(
+                        f"step {step} " + " ".join(f"{k} {v:.6f}" for k, v in metrics.items()),
+                        flush=True,
+                    )
+                # A scheduler's SIGTERM or SIGUSR1 on any rank: every rank stops at this step.
+                stopping = stop.requested()
+                if step % args.ckpt_every == 0 or step == args.steps or stopping:
+                    accel.save_checkpoint(ctx, args.out / "checkpoints", state, step=step, keep=2)
+                if stopping:
+                    if ctx.is_main:
+                        print(f"pre-empted at step {step}: saved; rerun with --resume", flush=True)
+                    accel.shutdown(ctx)
+                    return
+                if step == args.steps:
+                    break
     if tracker is not None:
         tracker.close()
         print(f"\noutputs in {args.out}/: checkpoints/, metrics.jsonl, loss.csv")

@@ -184,3 +184,79 @@ def test_bad_launcher_values_name_the_variable() -> None:
 )
 def test_first_slurm_host(nodelist: str, host: str) -> None:
     assert first_slurm_host(nodelist) == host
+
+
+def test_a_pytorchjob_pod_is_its_own_node() -> None:
+    # Kubeflow's PyTorchJob sets only these per pod, one process each (training-operator,
+    # pkg/controller.v1/pytorch/envvar.go and master.go).
+    env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2"}
+    launch = parse_launch_env(env)
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (
+        2, 0, 3, 1,
+    )  # fmt: skip
+    assert (launch.node_rank, launch.num_nodes) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        # Open MPI's mpirun (https://docs.open-mpi.org/en/v5.0.x/tuning-apps/environment-var.html)
+        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+        # MPICH's and Intel MPI's Hydra mpiexec (PMI_*, MPI_LOCALRANKID, MPI_LOCALNRANKS)
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+        # MVAPICH2's mpirun_rsh
+        {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4",
+         "MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "2"},
+    ],
+)  # fmt: skip
+def test_mpirun_environments_are_parsed(env: dict[str, str]) -> None:
+    launch = parse_launch_env({**env, "MASTER_ADDR": "host0"})
+    assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == ("mpi", 3, 1, 4)
+    assert (launch.local_world_size, launch.node_rank, launch.num_nodes) == (2, 1, 2)
+    assert (launch.master_addr, launch.master_port) == ("host0", 29500)  # Accelerate's port
+    message = r"^init_distributed: MASTER_ADDR is not set for an mpirun world of 4 processes on "
+    with pytest.raises(ValueError, match=message + r"several machines \(2 on this one\)"):
+        parse_launch_env(env)
+
+
+def test_mpirun_on_one_machine_meets_on_the_loopback() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
+    launch = parse_launch_env({**env, "MASTER_PORT": "4000"})
+    assert (launch.master_addr, launch.master_port, launch.num_nodes) == ("127.0.0.1", 4000, 1)
+    assert parse_launch_env({"OMPI_COMM_WORLD_SIZE": "1"}).launcher == "none"
+
+
+def test_a_group_another_framework_made_is_joined_and_left_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What Ray Train's TorchTrainer does before the user's function runs
+    # (ray/train/torch/config.py): it creates the default group, then sets torchrun's variables
+    # plus NODE_RANK and ACCELERATE_TORCH_DEVICE.
+    for var in ("SLURM_PROCID", "ACCEL_CONFIG_FILE", "GROUP_RANK", "ACCEL_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+    ray_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "NODE_RANK": "0", "ACCELERATE_TORCH_DEVICE": "cpu"}  # fmt: skip
+    for key, value in ray_env.items():
+        monkeypatch.setenv(key, value)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        ctx = init_distributed(backend="gloo")
+        assert (ctx.device, ctx.sources["device"]) == (
+            torch.device("cpu"), "launcher ACCELERATE_TORCH_DEVICE",
+        )  # fmt: skip
+        assert ctx.sources["process_group"].startswith("existing default group")
+        shutdown(ctx)
+        assert torch.distributed.is_initialized()  # its creator destroys it, not accel
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ray_trains_node_rank_is_read() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "NODE_RANK": "1", "ACCELERATE_TORCH_DEVICE": "cuda:0"}  # fmt: skip
+    launch = parse_launch_env(env)
+    assert (launch.node_rank, launch.num_nodes, launch.device) == (1, 2, "cuda:0")

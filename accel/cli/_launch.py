@@ -23,6 +23,7 @@ from typing import Any
 
 from accel import _env_vars
 from accel import config as _config
+from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._script import check_script, uses_trainer
 from accel_cli._flags import LAUNCH_OVERRIDES, SECTION_FLAGS
@@ -230,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
+    for key, value in _signals.agent_environment().items():
+        os.environ.setdefault(key, value)
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
     trainer = uses_trainer(args.script, module=args.module)
@@ -243,10 +246,8 @@ def run(args: argparse.Namespace) -> int:
     except ChildFailedError as err:
         print(failure_summary(err.failures), file=sys.stderr)
         return 1
-    except SignalException as err:  # the agent has stopped its workers before raising this
-        name = signal.Signals(err.sigval).name
-        print(f"accel launch: stopped by {name}; the workers were stopped.", file=sys.stderr)
-        return 128 + int(err.sigval)
+    except SignalException as err:  # a scheduler's stop signal, forwarded to the workers
+        return _signals.exit_after_signal(err)
     return 0
 
 

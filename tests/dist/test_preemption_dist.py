@@ -1,0 +1,258 @@
+"""Pre-emption with real signals at 2 ranks: stop at a step boundary, save, exit 0, resume exactly.
+
+The scheduler's part is played by this test: it sends the signal as SLURM or Kubernetes does,
+to the launcher process (`accel launch`, where torchrun's agent forwards it to the workers) or
+to one srun task only. Every interrupted run is resubmitted and must end with the losses and
+parameters, bit for bit, of the uninterrupted run (srun-style, the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import accel
+
+from tests.cli.test_cli import _env as cli_env
+from tests.dist.test_distributed_dist import _free_port
+from tests.processes import descendants
+
+STEPS = 24
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json, os, signal, sys, time
+from pathlib import Path
+import torch
+import accel
+
+out, steps, save_signal = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ctx = accel.init_distributed(seed=0)
+accel.set_seed(0, ctx=ctx)
+model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+class History:  # loop state saved with the checkpoint: the losses so far
+    def __init__(self):
+        self.losses, self.step, self.sent = [], 0, False
+
+    def state_dict(self):
+        if save_signal and ctx.rank == 0 and self.step == 8 and not self.sent:
+            # a real signal, delivered while save_checkpoint runs (rank 0 writes this object)
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, save_signal))
+        return {"losses": self.losses, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.losses, self.step = list(state["losses"]), int(state["step"])
+
+
+history = History()
+state = {"model": model, "optimizer": optimizer, "history": history}
+root = out / "ckpt"
+if (latest := accel.latest_checkpoint(root)) is not None:
+    accel.load_state(ctx, latest, state)
+with accel.preemption(ctx) as stop:
+    while history.step < steps:
+        x = torch.randn(8, 4)  # each rank's RNG stream is restored from the checkpoint
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        accel.scaled_backward(ctx, loss)
+        accel.optimizer_step(ctx, optimizer)
+        optimizer.zero_grad()
+        history.step += 1
+        history.losses.append(accel.reduce(ctx, loss.detach(), op="mean").item())
+        (out / f"progress-{ctx.rank}").write_text(str(history.step))
+        stopping = stop.requested()
+        if stopping or history.step % 4 == 0:
+            accel.save_checkpoint(ctx, root, state, step=history.step, keep=3)
+        if stopping:
+            if ctx.is_main:
+                print(f"pre-empted at step {history.step}; saved {root}/step-{history.step}")
+            with open(out / "stops.jsonl", "a") as f:
+                f.write(json.dumps({"rank": ctx.rank, "step": history.step,
+                                    "received": stop.received}) + "\\n")
+            accel.shutdown(ctx)
+            sys.exit(0)
+        time.sleep(0.05)
+params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
+(out / f"result-{ctx.rank}.json").write_text(json.dumps({"losses": history.losses,
+                                                         "params": params}))
+accel.shutdown(ctx)
+"""
+
+
+def _environment(tmp: Path, tag: str) -> dict[str, str]:
+    drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    env = {k: v for k, v in cli_env(tmp).items() if "SLURM" not in k and k not in drop}
+    env["PREEMPTION_TEST_TAG"] = tag  # finds every process the test started, reparented too
+    return env
+
+
+def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subprocess.Popen[str]]:
+    # What srun sets for `srun --ntasks 2 python train.py` on one node (SLURM's srun(1) "OUTPUT
+    # ENVIRONMENT VARIABLES"); accel derives the port from SLURM_JOB_ID, as in
+    # tests/dist/test_distributed_dist.py.
+    port = _free_port(15000 + os.getpid() % 4000, 20000)
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), str(out), str(STEPS), save_signal],
+            env={**_environment(out, tag), "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                 "SLURM_NTASKS": "2", "SLURM_NODELIST": "localhost",
+                 "SLURM_JOB_ID": str(port - 15000)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+
+
+def _launch(script: Path, out: Path, tag: str) -> list[subprocess.Popen[str]]:
+    argv = [sys.executable, "-m", "accel", "launch", "--num_processes", "2", "--monitor_interval",
+            "0.2", str(script), str(out), str(STEPS), ""]  # fmt: skip
+    env = _environment(out, tag)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=out)  # fmt: skip
+    return [proc]
+
+
+def _wait(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    return [(p.wait(timeout=180), p.communicate()[0]) for p in procs]
+
+
+def _signal_at(procs: list[subprocess.Popen[str]], target: int, out: Path, sig: int) -> None:
+    """Send `sig` to `procs[target]` once rank 0 has taken 3 optimizer steps."""
+    deadline = time.monotonic() + 120
+    progress = out / "progress-0"
+    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+        assert time.monotonic() < deadline, "the run never reached step 3"
+        assert all(p.poll() is None for p in procs), _wait(procs)
+        time.sleep(0.05)
+    procs[target].send_signal(sig)
+
+
+def _result(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"result-{r}.json").read_text()) for r in range(2)]
+
+
+def _stops(out: Path) -> list[dict[str, Any]]:
+    lines = (out / "stops.jsonl").read_text().splitlines()
+    return sorted((json.loads(line) for line in lines), key=lambda s: s["rank"])
+
+
+def _tagged(tag: str) -> list[int]:
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"PREEMPTION_TEST_TAG={tag}".encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # ended while we looked, or not ours
+            continue
+    return found
+
+
+@pytest.fixture
+def tag() -> Any:
+    value = uuid.uuid4().hex
+    yield value
+    assert descendants(os.getpid()) == []
+    assert _tagged(value) == [], "a process the test started is still running"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    script = out / "train.py"
+    script.write_text(SCRIPT)
+    tag = uuid.uuid4().hex
+    runs = _wait(_srun(script, out, tag))
+    assert [code for code, _ in runs] == [0, 0], runs
+    assert _tagged(tag) == []
+    result = _result(out)
+    assert len(result[0]["losses"]) == STEPS
+    assert result[0] == result[1]
+    return result
+
+
+def _resume_and_compare(out: Path, start: Any, reference: list[dict[str, Any]]) -> None:
+    runs = _wait(start())
+    assert [code for code, _ in runs] == [0] * len(runs), runs
+    assert _result(out) == reference  # losses and parameters, bit for bit
+
+
+def test_sigusr1_to_accel_launch_stops_every_rank_saves_and_exits_0(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    # SLURM's `#SBATCH --signal=USR1@90` with `srun accel launch ...`: the launcher gets it.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    procs = _launch(script, tmp_path, tag)
+    _signal_at(procs, 0, tmp_path, signal.SIGUSR1)
+    [(code, output)] = _wait(procs)
+    assert code == 0, output
+    stops = _stops(tmp_path)
+    assert [s["step"] for s in stops] == [stops[0]["step"]] * 2  # the same step on both ranks
+    assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]  # the agent forwarded it
+    assert f"pre-empted at step {stops[0]['step']}; saved" in output
+    assert "every worker of this node stopped cleanly" in output
+    assert stops[0]["step"] < STEPS
+    _resume_and_compare(tmp_path, lambda: _launch(script, tmp_path, tag), reference)
+
+
+def test_sigterm_to_one_srun_task_stops_both_at_the_same_step(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    procs = _srun(script, tmp_path, tag)
+    _signal_at(procs, 1, tmp_path, signal.SIGTERM)  # rank 1 only
+    runs = _wait(procs)
+    assert [code for code, _ in runs] == [0, 0], runs
+    stops = _stops(tmp_path)
+    assert stops[0]["step"] == stops[1]["step"] < STEPS
+    assert [s["received"] for s in stops] == [None, "SIGTERM"]  # rank 0 learned it by agreement
+    assert runs[0][1].count("pre-empted at step") == 1  # one line, from the main process
+    _resume_and_compare(tmp_path, lambda: _srun(script, tmp_path, tag), reference)
+
+
+def test_a_signal_during_a_save_leaves_that_checkpoint_whole_and_stops_after_it(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    runs = _wait(_srun(script, tmp_path, tag, save_signal="SIGUSR1"))  # rank 0, saving step 8
+    assert [code for code, _ in runs] == [0, 0], runs
+    stops = _stops(tmp_path)
+    assert [s["step"] for s in stops] == [9, 9]  # the save finished; the next boundary stopped
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-8", "step-9"]
+    assert [s["received"] for s in stops] == ["SIGUSR1", None]
+    # the checkpoint being written when the signal came is complete and loads
+    model, history, ctx = torch.nn.Linear(4, 1), _Plain(), accel.RunContext.single()
+    rng = accel.get_rng_state()  # load_state restores the saved RNG states: keep this process's
+    try:
+        manifest = accel.load_state(ctx, tmp_path / "ckpt" / "step-8", model=model,
+                                    history=history)  # fmt: skip
+    finally:
+        accel.set_rng_state(rng)
+    assert manifest["step"] == 8 and history.state["step"] == 8
+    _resume_and_compare(tmp_path, lambda: _srun(script, tmp_path, tag), reference)
+
+
+class _Plain:
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state

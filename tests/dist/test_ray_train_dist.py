@@ -1,0 +1,136 @@
+"""Ray Train all the way, on a local Ray cluster with 2 CPU workers (one ray.init per module).
+
+A TorchTrainer runs an accel loop: Ray creates the process group, accel joins it and uses the
+rank, node rank and device Ray assigned; `save_state` checkpoints go to Ray through
+`ray.train.report(checkpoint=...)`. A worker that fails once is restarted by Ray's
+FailureConfig and resumes from `ray.train.get_checkpoint()`; the run must end with the losses
+and parameters, bit for bit, of an uninterrupted one. `accel.shutdown` leaves Ray's group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.processes import descendants
+
+ray = pytest.importorskip("ray")  # the `ray` extra
+from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+STEPS = 6
+# Ray's own modules warn about their own deprecated options as they import.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class History:
+    """Loop state saved with the checkpoint: the step and the losses so far."""
+
+    def __init__(self) -> None:
+        self.step, self.losses = 0, []  # type: ignore[var-annotated]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "losses": self.losses}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.losses = int(state["step"]), list(state["losses"])
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import accel
+
+    scratch, fail_at = Path(config["scratch"]), config["fail_at"]
+    ctx = accel.init_distributed(seed=0)
+    accel.set_seed(0, ctx=ctx)
+    model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    history = History()
+    state = {"model": model, "optimizer": optimizer, "history": history}
+    if (checkpoint := ray.train.get_checkpoint()) is not None:
+        with checkpoint.as_directory() as folder:
+            accel.load_state(ctx, folder, state)
+    while history.step < STEPS:
+        x = torch.randn(8, 4)  # each rank's RNG stream is restored from the checkpoint
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        accel.scaled_backward(ctx, loss)
+        accel.optimizer_step(ctx, optimizer)
+        optimizer.zero_grad()
+        history.step += 1
+        history.losses.append(accel.reduce(ctx, loss.detach(), op="mean").item())
+        # every rank writes its part into one folder (the workers share this machine's disk)
+        folder = scratch / f"step-{history.step}"
+        accel.save_state(ctx, folder, state)
+        ray.train.report(
+            {"step": history.step},
+            checkpoint=Checkpoint.from_directory(folder) if ctx.is_main else None,
+        )
+        marker = scratch / "failed-once"
+        if history.step == fail_at and ctx.rank == 1 and not marker.exists():
+            marker.write_text("1")
+            raise RuntimeError("a worker fails once")
+    context = ray.train.get_context()
+    seen = {
+        "ranks": [ctx.rank, ctx.world_size, ctx.node_rank, ctx.local_rank],
+        "ray": [context.get_world_rank(), context.get_world_size(), context.get_node_rank(),
+                context.get_local_rank()],
+        "device": [str(ctx.device), os.environ["ACCELERATE_TORCH_DEVICE"]],
+        "device_source": ctx.sources["device"],
+        "group_source": ctx.sources["process_group"],
+    }  # fmt: skip
+    accel.shutdown(ctx)
+    seen["group_alive_after_shutdown"] = dist.is_available() and dist.is_initialized()
+    params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
+    result = {"losses": history.losses, "params": params, **seen}
+    (scratch / f"result-{ctx.rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Any:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parents[2])}})  # fmt: skip
+    try:
+        yield
+    finally:
+        ray.shutdown()
+    # `ray stop` is not needed: ray.init started this cluster and ray.shutdown ends it
+    leftover = [pid for pid in descendants(os.getpid())
+                if "ray" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]  # fmt: skip
+    assert leftover == [], "Ray left processes running"
+
+
+def _fit(tmp: Path, name: str, fail_at: int) -> list[dict[str, Any]]:
+    scratch = tmp / name
+    scratch.mkdir()
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"scratch": str(scratch), "fail_at": fail_at},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(name=name, storage_path=str(tmp / "ray"),
+                             failure_config=FailureConfig(max_failures=1)),  # fmt: skip
+    )
+    trainer.fit()
+    return [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_failed_worker_is_restarted_by_ray_and_resumes_exactly(
+    tmp_path: Path, local_ray: None
+) -> None:
+    reference = _fit(tmp_path, "uninterrupted", fail_at=0)
+    resumed = _fit(tmp_path, "failed-once", fail_at=3)
+    assert (tmp_path / "failed-once" / "failed-once").exists()  # it did fail, and was restarted
+    for ref, got in zip(reference, resumed, strict=True):
+        assert len(ref["losses"]) == STEPS
+        assert (got["losses"], got["params"]) == (ref["losses"], ref["params"])  # bit for bit
+    for rank, result in enumerate(reference):
+        assert result["ranks"] == result["ray"] == [rank, 2, 0, rank]
+        assert result["device"] == ["cpu", "cpu"]
+        assert result["device_source"] == "launcher ACCELERATE_TORCH_DEVICE"
+        assert result["group_source"].startswith("existing default group")
+        assert result["group_alive_after_shutdown"] is True  # Ray's, destroyed by Ray
