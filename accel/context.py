@@ -7,20 +7,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from typing_extensions import Self
 
-from accel._parallelism import (
-    MESH_DIMS,
-    CompileMode,
-    FSDPOptions,
-    MeshDim,
-    Parallelism,
-    check_compile,
-)
+from accel._parallelism import MESH_DIMS, MeshDim, Parallelism
 from accel._typing import Backend, Precision
+
+if TYPE_CHECKING:
+    from accel.parallel.options import CompileMode, FSDPOptions  # types: parallel imports us
 
 __all__ = ["Parallelism", "RunContext", "along"]
 
@@ -165,6 +161,8 @@ class RunContext:
                 )
             object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
         _check_timeout(self.timeout)
+        from accel.parallel.options import check_compile  # see TYPE_CHECKING above
+
         check_compile("RunContext", self.compile)
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(

@@ -179,10 +179,8 @@ PACKAGE = Path(accel.__file__).parent
 # concern lives in that concern's subpackage (checkpoint/, big_model/, data/, parallel/, cli/).
 SHARED_PRIVATE = frozenset(
     {
-        "_accelerate_config",
         "_agreement",
         "_dtensor",
-        "_env_vars",
         "_exit",
         "_groups",
         "_launcher",

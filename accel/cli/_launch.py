@@ -19,10 +19,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from accel import _env_vars
 from accel import config as _config
 from accel.cli._accelerate_env import accelerate_environment
-from accel_cli import LAUNCH_OVERRIDES, SECTION_FLAGS
+from accel.config import KEYS, SECTIONS, build, environment, section_keys
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
@@ -40,15 +39,11 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
         merged["distributed_type"] = "DEEPSPEED"
     elif flag("multi_gpu", None):
         merged["distributed_type"] = "MULTI_GPU"
-    if flag("cpu", None):
-        merged["use_cpu"] = True
-    overrides = {"parallelism_config_tp_size": flag("tp_size", None)}
-    for section, keys in SECTION_FLAGS:
+    for section in SECTIONS:
         values = dict(merged.get(section) or ())
-        for key in keys:
-            value = flag(key, None) if overrides.get(key) is None else overrides[key]
-            if value is not None:
-                values[key] = value
+        for key in section_keys(section):
+            if flag(key, None) is not None:
+                values[key] = flag(key)
         merged[section] = values
 
 
@@ -57,11 +52,9 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
     path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
-    for name, *_ in LAUNCH_OVERRIDES:
-        if getattr(args, name) is not None:
+    for name in KEYS:
+        if getattr(args, name, None) is not None:
             merged[name] = getattr(args, name)
-    if args.use_cpu:
-        merged["use_cpu"] = True
     _merge_parallel_flags(args, merged)
     return _config.parse_config(merged, origin="accel launch")
 
@@ -154,37 +147,7 @@ def _check_port_free(port: int | None) -> None:
 
 def worker_environment(config: _config.Config) -> dict[str, str]:
     """The variables that carry the settings to `init_distributed` in each worker."""
-    settings = _config.config_settings(config, "launch")
-    env = {
-        _env_vars.ENV_PRECISION: config.mixed_precision,
-        # a DeepSpeed section's gradient_accumulation_steps counts when the top-level key is 1
-        _env_vars.ENV_GRAD_ACCUM: str(settings["grad_accum_steps"][0]),
-    }
-    if config.seed is not None:
-        env[_env_vars.ENV_SEED] = str(config.seed)
-    if config.use_cpu:
-        env[_env_vars.ENV_DEVICE] = "cpu"
-    if config.gpu_ids not in (None, "all"):
-        env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
-    if config.num_cpu_threads_per_process is not None:
-        env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
-    if "parallelism" in settings:
-        sizes = settings["parallelism"][0]
-        env |= {var: str(getattr(sizes, dim)) for dim, var in _env_vars.ENV_MESH.items()}
-    if "fsdp" in settings:
-        env |= _env_vars.fsdp_environment(settings["fsdp"][0])
-    if "compile" in settings:
-        env[_env_vars.ENV_COMPILE] = str(settings["compile"][0]).lower()
-    if "activation_checkpointing" in settings:
-        value = settings["activation_checkpointing"][0]
-        env[_env_vars.ENV_ACTIVATION_CHECKPOINTING] = str(value).lower()
-    if config.log_with:
-        env[_env_vars.ENV_LOG_WITH] = ",".join(config.log_with)
-    if "deepspeed" in settings:
-        import json  # on use: only a DeepSpeed launch writes it
-
-        env[_env_vars.ENV_DEEPSPEED] = json.dumps(dict(settings["deepspeed"][0]))
-    return env
+    return environment(build(config), config)
 
 
 def run(args: argparse.Namespace) -> int:

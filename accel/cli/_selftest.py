@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 
 from accel.cli import _launch
-from accel_cli import LAUNCH_OVERRIDES
+from accel.config import KEYS
 
 
 def run(args: argparse.Namespace) -> int:
     launch_args = argparse.Namespace(
-        **{name: None for name, *_ in LAUNCH_OVERRIDES},
+        **{name: None for name in KEYS},
         config_file=args.config_file,
-        use_cpu=None,
         log_dir=None,
         tee=None,
         module=True,

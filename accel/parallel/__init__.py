@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._parallelism import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
 from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
@@ -22,6 +21,7 @@ from accel.parallel._fsdp import REPLACED
 from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
 from accel.parallel._plan import WrapPlan, WrapStrategy, agree_group, is_wrapped, make_plan
 from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
+from accel.parallel.options import CompileMode, FSDPOptions, check_compile
 
 __all__ = [
     "DDPOptions",

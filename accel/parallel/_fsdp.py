@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from accel._groups import require_group
-from accel._parallelism import FSDPOptions
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext
+from accel.parallel.options import FSDPOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -15,10 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
-from accel._parallelism import CompileMode, FSDPOptions, Parallelism
+from accel._parallelism import Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions
+from accel.parallel.options import CompileMode, FSDPOptions
 
 WrapStrategy = Literal["auto", "none", "ddp", "fsdp2", "deepspeed"]
 """What `wrap_model` applies: "auto" follows ctx.parallelism; the others force one wrapper."""

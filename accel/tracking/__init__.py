@@ -17,9 +17,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from accel._env_vars import check_tracker_name
 from accel.context import RunContext
 from accel.tracking._files import JSONLTracker, TensorBoardTracker
+from accel.tracking._names import check_tracker_name
 from accel.tracking._progress import progress
 from accel.tracking._registry import (
     BUILTIN_TRACKERS,

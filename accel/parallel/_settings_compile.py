@@ -1,0 +1,56 @@
+"""The compile section of the settings table: Accelerate's `dynamo_config` keys, RunContext's
+`compile`, `ACCEL_COMPILE`.
+
+Declarations import only the standard library and `accel_cli._setting`; see _settings_fsdp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accel_cli._setting import Section, Setting
+
+
+def _dynamo(key: str, help: str, **more: Any) -> Setting:
+    return Setting(key=key, kind="any", accelerate_env=f"ACCELERATE_{key.upper()}", help=help,
+                   **more)  # fmt: skip
+
+
+def _build(config: Any) -> dict[str, Any]:
+    from accel.config import allow, known, parse, refuse  # on use
+
+    keys = tuple(s.key for s in SECTION.settings if s.key is not None)
+    values = known("dynamo_config", config.dynamo_config, keys)
+    backend = str(values.get("dynamo_backend", "NO")).upper()
+    if backend == "NO":
+        return {}
+    if backend != "INDUCTOR":
+        refuse("dynamo_backend", values["dynamo_backend"], "accel compiles with inductor")
+    allow("dynamo_mode", values.get("dynamo_mode", "default"), ("default", "None"),
+          "accel compiles with the default mode")  # fmt: skip
+    for key in ("dynamo_use_fullgraph", "dynamo_use_dynamic"):
+        if parse("optional_bool", key, values.get(key)):
+            refuse(key, values[key], "accel compiles with torch.compile's defaults")
+    regional = parse("bool", "dynamo_use_regional_compilation",
+                     values.get("dynamo_use_regional_compilation", False))  # fmt: skip
+    return {"compile": "regional" if regional else True}
+
+
+SECTION = Section(
+    name="dynamo_config",
+    title="Resource Selection Arguments",
+    description="Arguments for fine-tuning how available hardware should be used.",
+    order=10,
+    active=lambda config: str(dict(config.dynamo_config).get("dynamo_backend", "NO")).upper()
+    != "NO",
+    build=_build,
+    settings=(
+        _dynamo("dynamo_backend", "INDUCTOR compiles the model (NO: off)", accelerate_case="upper"),
+        _dynamo("dynamo_mode", "torch.compile mode: default"),
+        _dynamo("dynamo_use_fullgraph", "refused when true: accel compiles with the defaults"),
+        _dynamo("dynamo_use_dynamic", "refused when true: accel compiles with the defaults"),
+        _dynamo("dynamo_use_regional_compilation", "compile each repeated block (true/false)"),
+        Setting(key=None, kind="compile", default=False, field="compile", env="ACCEL_COMPILE",
+                help="what wrap_model compiles: false, true or regional"),
+    ),
+)  # fmt: skip
