@@ -41,7 +41,7 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
         merged["distributed_type"] = "MULTI_GPU"
     for section in SECTIONS:
         values = dict(merged.get(section) or ())
-        for key in section_keys(section):
+        for key in section_keys(section, flags=True):
             if flag(key, None) is not None:
                 values[key] = flag(key)
         merged[section] = values

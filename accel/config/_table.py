@@ -28,9 +28,10 @@ SETTINGS: tuple[Setting, ...] = tuple(s for section in TABLE for s in section.se
 """Every setting, section by section."""
 
 
-def section_keys(name: str) -> tuple[str, ...]:
-    """The keys a YAML section takes (the flags that fill it)."""
-    return tuple(s.key for s in SECTIONS[name].settings if s.key is not None)
+def section_keys(name: str, *, flags: bool = False) -> tuple[str, ...]:
+    """The keys a YAML section takes; with `flags`, those `accel launch` takes as flags."""
+    settings = SECTIONS[name].settings
+    return tuple(s.key for s in settings if s.key is not None and (s.flag or not flags))
 
 
 def build(config: Any) -> dict[str, Any]:
