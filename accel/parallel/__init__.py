@@ -181,7 +181,8 @@ def _apply(
     if plan.tp_styles is not None:
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
     _fsdp.checkpoint_activations(list(plan.checkpointed))
-    _fsdp.compile_blocks(list(plan.compiled))
+    for block in plan.compiled:  # regional: each block in place, one graph reused per block
+        block.compile()
     wrapped = model
     if plan.data == "fsdp2":
         wrapped = _fsdp.apply_fsdp2(

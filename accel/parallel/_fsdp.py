@@ -1,4 +1,4 @@
-"""FSDP2 (`fully_shard`), activation checkpointing and regional compile for `wrap_model`."""
+"""FSDP2 (`fully_shard`) and activation checkpointing for `wrap_model`."""
 
 from __future__ import annotations
 
@@ -99,12 +99,6 @@ def checkpoint_activations(blocks: list[nn.Module]) -> None:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
-
-
-def compile_blocks(blocks: list[nn.Module]) -> None:
-    """`torch.compile` each block in place (`nn.Module.compile`): one graph, reused per block."""
-    for block in blocks:
-        block.compile()
 
 
 def mixed_precision(ctx: RunContext, options: FSDPOptions) -> Any:

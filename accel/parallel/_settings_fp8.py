@@ -83,10 +83,9 @@ def _check_fp8_key(name: str, value: Any) -> None:
             "through torchao. Remove it."
         )
     else:
-        text = str(value).lower()
-        if text not in ("true", "false"):
-            raise ValueError(f"config: fp8_config {name}={value!r} must be true or false.")
-        if (text == "true") != _DEFAULT_ONLY[name]:
+        from accel.config import parse  # on use: the command line reads this file without accel
+
+        if parse("bool", f"fp8_config {name}", value) != _DEFAULT_ONLY[name]:
             field = name.removeprefix("fp8_")
             raise NotImplementedError(
                 f"config: fp8_config {field}={value!r} cannot reach wrap_model from a config; "
