@@ -12,8 +12,9 @@ from accel_cli._setting import Section, Setting
 
 
 def _dynamo(key: str, help: str, **more: Any) -> Setting:
-    return Setting(key=key, kind="any", accelerate_env=f"ACCELERATE_{key.upper()}", help=help,
-                   **more)  # fmt: skip
+    # True exported as "True", as accel launch wrote Accelerate's dynamo variables before.
+    more = {"kind": "any", "accelerate_case": "title", **more}
+    return Setting(key=key, accelerate_env=f"ACCELERATE_{key.upper()}", help=help, **more)
 
 
 def _build(config: Any) -> dict[str, Any]:
