@@ -52,7 +52,7 @@ _TYPE_NAMES = {"int": "a whole number", "float": "a number"}
 # How a top-level setting's value type reads from the command line (sections take text, which
 # their parsers read as YAML's values).
 _FLAG_TYPES = {"count": int, "index": int, "optional_count": int, "optional_index": int,
-               "port": int, "float": float}  # fmt: skip
+               "port": int, "float": float, "mesh_size": int}  # fmt: skip
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -152,14 +152,11 @@ def _explain(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{message}; {lists}."
 
 
-def _add_flag(parser: Any, name: str, *aliases: str, **options: Any) -> None:
-    """Add `--name_with_underscores`, its `--hyphenated-spelling` and those of `aliases` (other
-    names of the same setting, e.g. --cpu for --use_cpu) as one option."""
-    spellings = []
-    for spelled in (name, *aliases):
-        spellings.append(f"--{spelled}")
-        if "_" in spelled:
-            spellings.append(f"--{spelled.replace('_', '-')}")
+def _add_flag(parser: Any, name: str, **options: Any) -> None:
+    """Add `--name_with_underscores` and its `--hyphenated-spelling` as one option."""
+    spellings = [f"--{name}"]
+    if "_" in name:
+        spellings.append(f"--{name.replace('_', '-')}")
     parser.add_argument(*spellings, dest=name, **options)
 
 
@@ -230,12 +227,19 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
         group = parser.add_argument_group(title, description) if shown else parser
         for flag in flags:
             if isinstance(flag, str):
-                name, aliases, options = flag, (), _own_flag(flag)
+                names, options = [(flag, _own_flag(flag))], {}
             else:
-                name, aliases, options = flag[0].key, flag[0].flags, _setting_flag(*flag)
-            if not shown:
-                options["help"] = argparse.SUPPRESS
-            _add_flag(group, name, *aliases, default=None, **options)
+                setting, top_level = flag
+                names = [(setting.key, _setting_flag(setting, top_level))]
+                # Another name of the setting (--cpu, --tp_size) is its own flag, typed even in a
+                # section, so an error names the flag that was typed; accel launch merges them.
+                for alias in setting.flags:
+                    options = _setting_flag(setting, True) | {"help": f"same as --{setting.key}"}
+                    names.append((alias, options))
+            for name, options in names:
+                if not shown:
+                    options["help"] = argparse.SUPPRESS
+                _add_flag(group, name, default=None, **options)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from accel import config as _config
 from accel.cli._accelerate_env import accelerate_environment
-from accel.config import KEYS, SECTIONS, build, environment, section_keys
+from accel.config import KEYS, SECTIONS, build, environment
+from accel_cli._setting import Setting
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
@@ -31,20 +32,29 @@ from accel.config import KEYS, SECTIONS, build, environment, section_keys
 _AGENT_ENVIRONMENT = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
+def _flag(args: argparse.Namespace, setting: Setting) -> Any:
+    """A setting's flag, or one of its other names (--tp_size), or None when not given."""
+    for name in (*setting.flags, str(setting.key)):  # as before the table, the short name wins
+        value = getattr(args, name, None)  # `accel test` shares resolve_config, not the flags
+        if value is not None:
+            return value
+    return None
+
+
 def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> None:
-    flag = functools.partial(getattr, args)  # `accel test` shares resolve_config, not the flags
+    flag = functools.partial(getattr, args)
     if flag("use_fsdp", None):
         merged["distributed_type"] = "FSDP"
     elif flag("use_deepspeed", None):
         merged["distributed_type"] = "DEEPSPEED"
     elif flag("multi_gpu", None):
         merged["distributed_type"] = "MULTI_GPU"
-    for section in SECTIONS:
-        values = dict(merged.get(section) or ())
-        for key in section_keys(section, flags=True):
-            if flag(key, None) is not None:
-                values[key] = flag(key)
-        merged[section] = values
+    for name, section in SECTIONS.items():
+        values = dict(merged.get(name) or ())
+        for setting in section.settings:
+            if setting.key is not None and setting.flag and _flag(args, setting) is not None:
+                values[setting.key] = _flag(args, setting)
+        merged[name] = values
 
 
 def resolve_config(args: argparse.Namespace) -> _config.Config:
@@ -52,9 +62,9 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
     path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
-    for name in KEYS:
-        if getattr(args, name, None) is not None:
-            merged[name] = getattr(args, name)
+    for name, setting in KEYS.items():
+        if _flag(args, setting) is not None:
+            merged[name] = _flag(args, setting)
     _merge_parallel_flags(args, merged)
     return _config.parse_config(merged, origin="accel launch")
 
