@@ -7,25 +7,8 @@ setting is declared once in the settings table (`_table.TABLE`: the core keys in
 field, `ACCEL_*` variable and the variable Accelerate's launcher exports; reading a config,
 writing and reading the workers' variables and Accelerate's are loops over it. `accel launch`
 passes its settings to the processes it starts through these variables, and `init_distributed`
-reads them once and records each value's source in `RunContext.sources`:
-
-| variable                 | RunContext field   | values                 |
-|--------------------------|--------------------|------------------------|
-| `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, fp8, no |
-| `ACCEL_GRAD_ACCUM_STEPS` | `grad_accum_steps` | int >= 1               |
-| `ACCEL_SEED`             | `seed`             | int                    |
-| `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
-| `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
-| `ACCEL_PP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_DP_REPLICATE_SIZE` | `parallelism`   | int >= 1 or -1 (fill)  |
-| `ACCEL_DP_SHARD_SIZE`    | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_CP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_TP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_FSDP_<FIELD>`     | `fsdp`             | e.g. `ACCEL_FSDP_LAYER_CLASSES=Block`  |
-| `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
-| `ACCEL_ACTIVATION_CHECKPOINTING` | `activation_checkpointing` | true, false |
-| `ACCEL_LOG_WITH`         | `log_with`         | wandb,mlflow (names)   |
-| `ACCEL_DEEPSPEED_CONFIG` | `deepspeed`        | JSON: `{"zero_stage": 2}` |
+reads them once and records each value's source in `RunContext.sources`. The variables are the
+rows' `env` (docs/cli.md lists them); `ACCEL_CONFIG_FILE` names a config file to read.
 """
 
 from __future__ import annotations
