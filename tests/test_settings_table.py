@@ -165,3 +165,14 @@ def test_the_command_reads_the_table_without_importing_accel() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(len(TABLE)), "False", "False"]
+
+
+def test_a_section_value_overrides_the_top_level_one_it_refines() -> None:
+    # Accelerate's rule: deepspeed_config's gradient_accumulation_steps is the run's when the
+    # top-level key is left at 1; the workers must get it too.
+    config = parse_config(
+        {"distributed_type": "DEEPSPEED", "num_processes": 2,
+         "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 2}}
+    )  # fmt: skip
+    assert build(config)["grad_accum_steps"] == 2
+    assert _launch.worker_environment(config)["ACCEL_GRAD_ACCUM_STEPS"] == "2"

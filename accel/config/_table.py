@@ -35,9 +35,13 @@ def section_keys(name: str, *, flags: bool = False) -> tuple[str, ...]:
 
 
 def build(config: Any) -> dict[str, Any]:
-    """The RunContext values a `Config` asks for, each section checking its own keys."""
+    """The RunContext values a `Config` asks for, each section checking its own keys.
+
+    The core (top-level keys) first: a section's value refines the top-level one it names (a
+    deepspeed_config's gradient_accumulation_steps is the run's when the top-level key is 1).
+    """
     found: dict[str, Any] = {}
-    for section in TABLE:
+    for section in (CORE, *(s for s in TABLE if s is not CORE)):
         assert section.build is not None, section.name
         found.update(section.build(config))
     return found
