@@ -117,6 +117,10 @@ class RunContext:
     """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
     compile: CompileMode = False
     """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's `dynamic=` for what `wrap_model` compiles (Accelerate's
+    `dynamo_use_dynamic`): True traces dynamic shapes, False specialises on every shape, None
+    (torch's default) recompiles with dynamic shapes once a shape changes."""
     activation_checkpointing: bool = False
     """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
     `wrap_model` uses it when given none."""
@@ -164,6 +168,11 @@ class RunContext:
         from accel.parallel.options import check_compile  # see TYPE_CHECKING above
 
         check_compile("RunContext", self.compile)
+        if self.compile_dynamic is not None and not isinstance(self.compile_dynamic, bool):
+            raise TypeError(
+                f"RunContext: compile_dynamic={self.compile_dynamic!r} must be True, False or "
+                "None (torch.compile's dynamic=)."
+            )
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(
                 f"RunContext: activation_checkpointing={self.activation_checkpointing!r} must "

@@ -29,12 +29,16 @@ def _build(config: Any) -> dict[str, Any]:
         refuse("dynamo_backend", values["dynamo_backend"], "accel compiles with inductor")
     allow("dynamo_mode", values.get("dynamo_mode", "default"), ("default", "None"),
           "accel compiles with the default mode")  # fmt: skip
-    for key in ("dynamo_use_fullgraph", "dynamo_use_dynamic"):
-        if parse("optional_bool", key, values.get(key)):
-            refuse(key, values[key], "accel compiles with torch.compile's defaults")
+    if parse("optional_bool", "dynamo_use_fullgraph", values.get("dynamo_use_fullgraph")):
+        refuse("dynamo_use_fullgraph", values["dynamo_use_fullgraph"],
+               "accel compiles with torch.compile's defaults")  # fmt: skip
     regional = parse("bool", "dynamo_use_regional_compilation",
                      values.get("dynamo_use_regional_compilation", False))  # fmt: skip
-    return {"compile": "regional" if regional else True}
+    found: dict[str, Any] = {"compile": "regional" if regional else True}
+    dynamic = parse("optional_bool", "dynamo_use_dynamic", values.get("dynamo_use_dynamic"))
+    if dynamic is not None:  # unset: torch's automatic dynamic shapes, as in Accelerate
+        found["compile_dynamic"] = dynamic
+    return found
 
 
 SECTION = Section(
@@ -49,7 +53,9 @@ SECTION = Section(
         _dynamo("dynamo_backend", "INDUCTOR compiles the model (NO: off)", accelerate_case="upper"),
         _dynamo("dynamo_mode", "torch.compile mode: default"),
         _dynamo("dynamo_use_fullgraph", "refused when true: accel compiles with the defaults"),
-        _dynamo("dynamo_use_dynamic", "refused when true: accel compiles with the defaults"),
+        _dynamo("dynamo_use_dynamic", "trace dynamic shapes (torch.compile's dynamic=): true, "
+                "false; unset: recompile once a shape changes, then dynamic",
+                kind="optional_bool", field="compile_dynamic", env="ACCEL_COMPILE_DYNAMIC"),
         _dynamo("dynamo_use_regional_compilation", "compile each repeated block (true/false)"),
         Setting(key=None, kind="compile", default=False, field="compile", env="ACCEL_COMPILE",
                 help="what wrap_model compiles: false, true or regional"),
