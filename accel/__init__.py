@@ -39,11 +39,7 @@ from accel.collectives import (
     pad_across_processes,
     reduce,
 )
-from accel.config import (
-    Config,
-    default_config_path,
-    load_config,
-)
+from accel.config import Config, default_config_path, load_config
 from accel.context import (
     Parallelism,
     RunContext,

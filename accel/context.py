@@ -7,21 +7,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from typing_extensions import Self
 
 from accel._device import default_device
-from accel._parallelism import (
-    MESH_DIMS,
-    CompileMode,
-    FSDPOptions,
-    MeshDim,
-    Parallelism,
-    check_compile,
-)
+from accel._parallelism import MESH_DIMS, MeshDim, Parallelism
 from accel._typing import Backend, Precision
+
+if TYPE_CHECKING:
+    from accel._options import CompileMode, FSDPOptions  # types: parallel imports us
 
 __all__ = ["Parallelism", "RunContext", "along"]
 
@@ -113,6 +109,10 @@ class RunContext:
     """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
     compile: CompileMode = False
     """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's `dynamic=` for what `wrap_model` compiles (Accelerate's
+    `dynamo_use_dynamic`): True traces dynamic shapes, False specialises on every shape, None
+    (torch's default) recompiles with dynamic shapes once a shape changes."""
     activation_checkpointing: bool = False
     """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
     `wrap_model` uses it when given none."""
@@ -157,7 +157,14 @@ class RunContext:
                 )
             object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
         _check_timeout(self.timeout)
+        from accel._options import check_compile  # see TYPE_CHECKING above
+
         check_compile("RunContext", self.compile)
+        if self.compile_dynamic is not None and not isinstance(self.compile_dynamic, bool):
+            raise TypeError(
+                f"RunContext: compile_dynamic={self.compile_dynamic!r} must be True, False or "
+                "None (torch.compile's dynamic=)."
+            )
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(
                 f"RunContext: activation_checkpointing={self.activation_checkpointing!r} must "

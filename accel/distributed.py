@@ -29,6 +29,8 @@ from accel.seeding import check_seed
 __all__ = ["init_distributed", "shutdown"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
+# Settings init_distributed applies itself rather than passing them to RunContext as they are.
+_OWN = frozenset({"device", "parallelism"})
 
 
 _JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
@@ -167,16 +169,10 @@ def init_distributed(
         num_nodes=launch.num_nodes,
         device=chosen,
         backend=backend if grouped else None,
-        precision=settings["precision"][0],
-        grad_accum_steps=settings["grad_accum_steps"][0],
-        seed=settings["seed"][0],
         timeout=wait,
-        fsdp=settings.get("fsdp", (None, ""))[0],
-        compile=settings.get("compile", (False, ""))[0],
-        activation_checkpointing=settings.get("activation_checkpointing", (False, ""))[0],
-        log_with=settings.get("log_with", ((), ""))[0],
-        deepspeed=settings.get("deepspeed", (None, ""))[0],
         sources=sources,
+        # Every other setting the table gave a value (precision, fsdp, ...); the mesh is next.
+        **{name: value for name, (value, _) in settings.items() if name not in _OWN},
     )
     if "parallelism" not in settings:
         return ctx

@@ -14,55 +14,45 @@ import difflib
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from accel_cli._flags import LAUNCH_OVERRIDES, SECTION_FLAGS
+if TYPE_CHECKING:
+    from accel_cli._setting import Setting  # a type only: `accel --help` reads no table
 
-__all__ = ["LAUNCH_OVERRIDES", "SECTION_FLAGS", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
-# `accel launch --help` groups its flags as `accelerate launch --help` does (same titles).
+# `accel launch --help` groups its flags as `accelerate launch --help` does (same titles): these
+# groups first, with the flags that are the command's own (not settings); the settings table
+# (accel/config/, read without importing accel) fills them and adds its sections' groups.
 _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Hardware Selection Arguments", "Arguments for selecting the hardware to be used.",
-     ("cpu", "use_cpu", "multi_gpu")),
+     ("multi_gpu",)),
     ("Resource Selection Arguments",
-     "Arguments for fine-tuning how available hardware should be used.",
-     ("mixed_precision", "num_processes", "num_machines", "num_cpu_threads_per_process",
-      *SECTION_FLAGS[2][1])),
+     "Arguments for fine-tuning how available hardware should be used.", ()),
     ("Training Paradigm Arguments",
      "Arguments for selecting which training paradigm to be used. `accel launch --use_fsdp "
      "--help` also lists the FSDP arguments, `--use_deepspeed --help` the DeepSpeed ones.",
      ("use_deepspeed", "use_fsdp", "use_parallelism_config")),
     ("Distributed GPUs", "Arguments related to distributed training (GPUs or CPUs).",
-     ("gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "tee", "log_dir",
-      "rdzv_backend", "max_restarts", "monitor_interval")),
-    ("FSDP Arguments", "Arguments related to Fully Sharded Data Parallelism (FSDP2).",
-     SECTION_FLAGS[0][1]),
-    ("DeepSpeed Arguments", "Arguments related to DeepSpeed (wrap_model's DeepSpeed engine).",
-     SECTION_FLAGS[4][1]),
-    ("ParallelismConfig Arguments",
-     "Arguments related to the ParallelismConfig used for distributed training.",
-     (*SECTION_FLAGS[1][1], "tp_size")),
-    ("FP8 Arguments", "Arguments related to FP8 training (requires `--mixed_precision=fp8`).",
-     SECTION_FLAGS[3][1]),
-    ("Training Settings (accel)", "Settings recorded in every process's RunContext.",
-     ("gradient_accumulation_steps", "seed", "log_with")),
+     ("tee", "log_dir")),
 )  # fmt: skip
 
 _FLAG_HELP = {
-    "cpu": "same as --use_cpu",
-    "use_cpu": "run on the CPU even when GPUs are present",
     "multi_gpu": "distributed on GPUs",
     "use_fsdp": "shard with FSDP2",
     "use_deepspeed": "train through a DeepSpeed ZeRO engine (wrap_model, strategy 'auto')",
     "use_parallelism_config": "accepted for Accelerate; parallelism_config_* flags set the mesh",
-    "tp_size": "tensor-parallel size",
     "log_dir": "write each worker's output under this folder",
     "tee": "also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
 }
-_SWITCHES = ("cpu", "use_cpu", "multi_gpu", "use_fsdp", "use_deepspeed", "use_parallelism_config")
+_SWITCHES = ("multi_gpu", "use_fsdp", "use_deepspeed", "use_parallelism_config")
 _EXAMPLES = {"int": "2", "float": "0.5"}
 _METAVARS = {int: "N", float: "SECONDS"}
 _TYPE_NAMES = {"int": "a whole number", "float": "a number"}
+# How a top-level setting's value type reads from the command line (sections take text, which
+# their parsers read as YAML's values).
+_FLAG_TYPES = {"count": int, "index": int, "optional_count": int, "optional_index": int,
+               "port": int, "float": float, "mesh_size": int}  # fmt: skip
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -170,21 +160,46 @@ def _add_flag(parser: Any, name: str, **options: Any) -> None:
     parser.add_argument(*spellings, dest=name, **options)
 
 
-def _launch_flag(name: str) -> dict[str, Any]:
-    """The add_argument options of one `accel launch` flag."""
-    for override, kind, text in LAUNCH_OVERRIDES:
-        if name == override:
-            return {"type": kind, "help": text, "metavar": _METAVARS.get(kind, "VALUE")}
+def _own_flag(name: str) -> dict[str, Any]:
+    """The add_argument options of one of the command's own `accel launch` flags."""
     if name in _SWITCHES:
         return {"action": "store_true", "help": _FLAG_HELP[name]}
     if name == "tee":
         return {"choices": ("0", "1", "2", "3"), "help": _FLAG_HELP[name]}
-    if name == "tp_size":
-        return {"type": int, "help": _FLAG_HELP[name], "metavar": "N"}
-    if name in _FLAG_HELP:
-        return {"help": _FLAG_HELP[name]}
-    section = next(s for s, keys in SECTION_FLAGS if name in keys)
-    return {"help": f"Accelerate's {section} key {name}"}
+    return {"help": _FLAG_HELP[name], "metavar": "VALUE"}
+
+
+def _setting_flag(setting: Setting, top_level: bool) -> dict[str, Any]:
+    """The add_argument options of a setting's flag, from its row of the table."""
+    if top_level and setting.kind == "bool":
+        return {"action": "store_true", "help": setting.help}
+    kind = _FLAG_TYPES.get(setting.kind) if top_level else None
+    options: dict[str, Any] = {"help": setting.help, "metavar": "VALUE"}
+    if kind is not None:
+        options |= {"type": kind, "metavar": _METAVARS[kind]}
+    return options
+
+
+def _launch_groups(argv: Sequence[str]) -> list[tuple[str, str, bool, list[Any]]]:
+    """(title, description, shown, flags) of each help group: the command's own flags as
+    names, the table's as (Setting, top_level)."""
+    from accel_cli._setting import accel_root, load_sections  # only when launch is parsed
+
+    groups: dict[str, tuple[str, bool, list[Any]]] = {
+        title: (description, True, list(names)) for title, description, names in _GROUPS
+    }
+    for section in load_sections(accel_root()):
+        shown = section.shown_with is None or any(
+            a in (f"--{section.shown_with}", f"--{section.shown_with.replace('_', '-')}")
+            for a in argv
+        )
+        for setting in section.settings:
+            if setting.key is None or not setting.flag:
+                continue
+            title = setting.group or section.title
+            entry = groups.setdefault(title, (section.description, shown, []))
+            entry[2].append((setting, section.name == ""))
+    return [(title, d, shown, flags) for title, (d, shown, flags) in groups.items()]
 
 
 def _add_launch(commands: Any, argv: Sequence[str]) -> None:
@@ -204,27 +219,27 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
         help="YAML config (accel's or Accelerate's)",
     )  # fmt: skip
     parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
-    show_fsdp = any(a in ("--use_fsdp", "--use-fsdp") for a in argv)
-    show_deepspeed = any(a in ("--use_deepspeed", "--use-deepspeed") for a in argv)
-    for title, description, names in _GROUPS:
+    if argv and "launch" not in argv:
+        return  # another command (or `accel --help`): launch's flags would only cost time
+    for title, description, shown, flags in _launch_groups(argv):
         # As `accelerate launch --help`: the FSDP (DeepSpeed) flags are listed once --use_fsdp
         # (--use_deepspeed) is given.
-        shown = {"FSDP Arguments": show_fsdp, "DeepSpeed Arguments": show_deepspeed}.get(
-            title, True
-        )
         group = parser.add_argument_group(title, description) if shown else parser
-        for name in names:
-            options = _launch_flag(name)
-            options.setdefault("metavar", None if "choices" in options else "VALUE")
-            if options.get("action") == "store_true":
-                del options["metavar"]
-            if not shown:
-                options["help"] = argparse.SUPPRESS
-            _add_flag(group, name, default=None, **options)
-    parser.add_argument(
-        "--grad_accum_steps", "--grad-accum-steps", dest="gradient_accumulation_steps",
-        type=int, help=argparse.SUPPRESS,
-    )  # fmt: skip
+        for flag in flags:
+            if isinstance(flag, str):
+                names, options = [(flag, _own_flag(flag))], {}
+            else:
+                setting, top_level = flag
+                names = [(setting.key, _setting_flag(setting, top_level))]
+                # Another name of the setting (--cpu, --tp_size) is its own flag, typed even in a
+                # section, so an error names the flag that was typed; accel launch merges them.
+                for alias in setting.flags:
+                    options = _setting_flag(setting, True) | {"help": f"same as --{setting.key}"}
+                    names.append((alias, options))
+            for name, options in names:
+                if not shown:
+                    options["help"] = argparse.SUPPRESS
+                _add_flag(group, name, default=None, **options)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from accel._env_vars import env_settings
-from accel.config import Config, config_settings, load_config, parse_config
+from accel.config import Config, config_settings, env_settings, load_config, parse_config
 
 # Accelerate 1.x `accelerate config` output for two CPU processes with fp16, unchanged.
 ACCELERATE_SAMPLE = """\

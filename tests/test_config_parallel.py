@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from accel import FSDPOptions, Parallelism
-from accel._env_vars import env_settings
-from accel.config import config_settings, load_config, parse_config
+from accel.config import config_settings, env_settings, load_config, parse_config
 
 # Accelerate 1.10 `accelerate config` output for FSDP2 on one machine with 2 processes.
 ACCELERATE_FSDP = """\

@@ -196,17 +196,17 @@ PACKAGE = Path(accel.__file__).parent
 # concern lives in that concern's subpackage (checkpoint/, big_model/, data/, parallel/, cli/).
 SHARED_PRIVATE = frozenset(
     {
-        "_accelerate_config",
         "_agreement",
         "_deepspeed_flags",
         "_canary",  # the device canary's mode: read by default_device, entered by accel.testing
         "_device",  # default_device and resolve_device: used by context.py and distributed.py
         "_dtensor",
-        "_env_vars",
         "_exit",
         "_groups",
         "_launcher",
         "_mesh",
+        # FSDPOptions and the compile mode: RunContext holds them, parallel/ applies them
+        "_options",
         "_parallelism",
         "_size",
         "_tree",

@@ -47,7 +47,7 @@ def test_pp_is_the_outermost_dimension_and_dp_excludes_it() -> None:
 
 
 def test_pp_size_is_read_from_the_environment_and_accelerates_config(tmp_path: Path) -> None:
-    from accel._env_vars import env_settings
+    from accel.config import env_settings
 
     found = env_settings({"ACCEL_PP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "-1"})
     assert found["parallelism"][0] == Parallelism(pp=2, dp_shard=-1)

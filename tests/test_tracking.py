@@ -26,8 +26,7 @@ from accel import (
     progress,
     register_tracker,
 )
-from accel._env_vars import env_settings
-from accel.config import parse_config
+from accel.config import env_settings, parse_config
 from tests import tracker_plugin
 
 MAIN = RunContext(rank=0, world_size=2, device=torch.device("cpu"))

@@ -21,12 +21,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from accel import _env_vars
 from accel import config as _config
+from accel._settings.table import KEYS, SECTIONS, build, environment
 from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._script import check_script, uses_trainer
-from accel_cli._flags import LAUNCH_OVERRIDES, SECTION_FLAGS
+from accel_cli._setting import Setting
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
@@ -36,24 +36,29 @@ from accel_cli._flags import LAUNCH_OVERRIDES, SECTION_FLAGS
 _AGENT_ENVIRONMENT = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
+def _flag(args: argparse.Namespace, setting: Setting) -> Any:
+    """A setting's flag, or one of its other names (--tp_size), or None when not given."""
+    for name in (*setting.flags, str(setting.key)):  # as before the table, the short name wins
+        value = getattr(args, name, None)  # `accel test` shares resolve_config, not the flags
+        if value is not None:
+            return value
+    return None
+
+
 def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> None:
-    flag = functools.partial(getattr, args)  # `accel test` shares resolve_config, not the flags
+    flag = functools.partial(getattr, args)
     if flag("use_fsdp", None):
         merged["distributed_type"] = "FSDP"
     elif flag("use_deepspeed", None):
         merged["distributed_type"] = "DEEPSPEED"
     elif flag("multi_gpu", None):
         merged["distributed_type"] = "MULTI_GPU"
-    if flag("cpu", None):
-        merged["use_cpu"] = True
-    overrides = {"parallelism_config_tp_size": flag("tp_size", None)}
-    for section, keys in SECTION_FLAGS:
-        values = dict(merged.get(section) or ())
-        for key in keys:
-            value = flag(key, None) if overrides.get(key) is None else overrides[key]
-            if value is not None:
-                values[key] = value
-        merged[section] = values
+    for name, section in SECTIONS.items():
+        values = dict(merged.get(name) or ())
+        for setting in section.settings:
+            if setting.key is not None and setting.flag and _flag(args, setting) is not None:
+                values[setting.key] = _flag(args, setting)
+        merged[name] = values
 
 
 def resolve_config(args: argparse.Namespace) -> _config.Config:
@@ -61,11 +66,9 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
     path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
     base = _config.load_config(path) if path is not None else _config.Config()
     merged = dataclasses.asdict(base)
-    for name, *_ in LAUNCH_OVERRIDES:
-        if getattr(args, name) is not None:
-            merged[name] = getattr(args, name)
-    if args.use_cpu:
-        merged["use_cpu"] = True
+    for name, setting in KEYS.items():
+        if _flag(args, setting) is not None:
+            merged[name] = _flag(args, setting)
     _merge_parallel_flags(args, merged)
     return _config.parse_config(merged, origin="accel launch")
 
@@ -158,37 +161,7 @@ def _check_port_free(port: int | None) -> None:
 
 def worker_environment(config: _config.Config) -> dict[str, str]:
     """The variables that carry the settings to `init_distributed` in each worker."""
-    settings = _config.config_settings(config, "launch")
-    env = {
-        _env_vars.ENV_PRECISION: config.mixed_precision,
-        # a DeepSpeed section's gradient_accumulation_steps counts when the top-level key is 1
-        _env_vars.ENV_GRAD_ACCUM: str(settings["grad_accum_steps"][0]),
-    }
-    if config.seed is not None:
-        env[_env_vars.ENV_SEED] = str(config.seed)
-    if config.use_cpu:
-        env[_env_vars.ENV_DEVICE] = "cpu"
-    if config.gpu_ids not in (None, "all"):
-        env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
-    if config.num_cpu_threads_per_process is not None:
-        env["OMP_NUM_THREADS"] = str(config.num_cpu_threads_per_process)
-    if "parallelism" in settings:
-        sizes = settings["parallelism"][0]
-        env |= {var: str(getattr(sizes, dim)) for dim, var in _env_vars.ENV_MESH.items()}
-    if "fsdp" in settings:
-        env |= _env_vars.fsdp_environment(settings["fsdp"][0])
-    if "compile" in settings:
-        env[_env_vars.ENV_COMPILE] = str(settings["compile"][0]).lower()
-    if "activation_checkpointing" in settings:
-        value = settings["activation_checkpointing"][0]
-        env[_env_vars.ENV_ACTIVATION_CHECKPOINTING] = str(value).lower()
-    if config.log_with:
-        env[_env_vars.ENV_LOG_WITH] = ",".join(config.log_with)
-    if "deepspeed" in settings:
-        import json  # on use: only a DeepSpeed launch writes it
-
-        env[_env_vars.ENV_DEEPSPEED] = json.dumps(dict(settings["deepspeed"][0]))
-    return env
+    return environment(build(config), config)
 
 
 # What torchrun's agent logs while it stops the workers on a signal (Ctrl-C, a scheduler's

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from accel._settings.table import KEYS
 from accel.cli import _launch
-from accel_cli._flags import LAUNCH_OVERRIDES
 
 
 def run(args: argparse.Namespace) -> int:
     launch_args = argparse.Namespace(
-        **{name: None for name, *_ in LAUNCH_OVERRIDES},
+        **{name: None for name in KEYS},
         config_file=args.config_file,
-        use_cpu=None,
         log_dir=None,
         tee=None,
         module=True,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._parallelism import CompileMode, FSDPOptions, check_compile
+from accel._options import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
 from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
@@ -75,7 +75,7 @@ def wrap_model(
             launcher config's.
         ddp: DistributedDataParallel options and its communication hook (`comm_hook`).
         compile: False, True (whole model, last) or "regional" (each repeated block, before
-            sharding); default `ctx.compile`.
+            sharding); default `ctx.compile`. Traced with `dynamic=ctx.compile_dynamic`.
         activation_checkpointing: recompute blocks' activations in backward (non-reentrant
             `torch.utils.checkpoint`), under any strategy: True for each repeated block (the
             FSDP layer classes when given, else the members of each nn.ModuleList of one
@@ -184,7 +184,8 @@ def _apply(
     if plan.tp_styles is not None:
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
     _fsdp.checkpoint_activations(list(plan.checkpointed))
-    _fsdp.compile_blocks(list(plan.compiled))
+    for block in plan.compiled:  # regional: each block in place, one graph reused per block
+        block.compile(dynamic=ctx.compile_dynamic)
     wrapped = model
     if plan.data == "fsdp2":
         wrapped = _fsdp.apply_fsdp2(
@@ -199,7 +200,7 @@ def _apply(
         if id(q) not in current:
             setattr(q, REPLACED, True)
     if plan.compile_whole:
-        wrapped = torch.compile(wrapped)  # type: ignore[assignment]
+        wrapped = torch.compile(wrapped, dynamic=ctx.compile_dynamic)  # type: ignore[assignment]
     return wrapped
 
 

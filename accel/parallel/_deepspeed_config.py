@@ -21,10 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from accel._accelerate_config import DEEPSPEED_KEYS
+from accel._settings.table import SECTIONS, section_keys
+from accel._settings.values import parse
 from accel.context import RunContext
 
-ACCELERATE_KEYS = frozenset(DEEPSPEED_KEYS)
+ACCELERATE_KEYS = frozenset(section_keys("deepspeed_config"))
 # Keys of the section that only Accelerate's multi-node `deepspeed` launcher reads; accel
 # launches through torchrun, so a value other than Accelerate's default is refused.
 _LAUNCHER_KEYS = (
@@ -143,22 +144,12 @@ def _from_section(section: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 def _typed(key: str, value: Any) -> Any:
-    """A section value as YAML gives it, from an `accel launch` flag's string ("3", "true")."""
-    if not isinstance(value, str) or value == "auto":
+    """A section value as YAML gives it, from an `accel launch` flag's string ("3", "true"),
+    parsed by the settings table's parser of the key's type."""
+    kind = next(s.kind for s in SECTIONS["deepspeed_config"].settings if s.key == key)
+    if not isinstance(value, str) or value == "auto" or kind == "any":
         return value
-    kind = {"zero_stage": int, "gradient_accumulation_steps": int, "gradient_clipping": float}
-    try:
-        if key in kind:
-            return kind[key](value)
-    except ValueError:
-        raise ValueError(
-            f"wrap_model: deepspeed_config {key}={value!r} must be a number, e.g. 2."
-        ) from None
-    if key in ("zero3_init_flag", "zero3_save_16bit_model"):
-        if value.lower() not in ("true", "false"):
-            raise ValueError(f"wrap_model: deepspeed_config {key}={value!r} must be true or false.")
-        return value.lower() == "true"
-    return value
+    return parse(kind, key, value, fn="wrap_model: deepspeed_config")
 
 
 def _node(config: dict[str, Any], path: str) -> tuple[dict[str, Any] | None, str]:

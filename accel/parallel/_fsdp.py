@@ -1,4 +1,4 @@
-"""FSDP2 (`fully_shard`), activation checkpointing and regional compile for `wrap_model`."""
+"""FSDP2 (`fully_shard`) and activation checkpointing for `wrap_model`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel._groups import require_group
-from accel._parallelism import FSDPOptions
+from accel._options import FSDPOptions
 from accel._typing import COMPUTE_DTYPES
 from accel.context import RunContext
 
@@ -99,12 +99,6 @@ def checkpoint_activations(blocks: list[nn.Module]) -> None:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
-
-
-def compile_blocks(blocks: list[nn.Module]) -> None:
-    """`torch.compile` each block in place (`nn.Module.compile`): one graph, reused per block."""
-    for block in blocks:
-        block.compile()
 
 
 def mixed_precision(ctx: RunContext, options: FSDPOptions) -> Any:

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
 from accel._mesh import check_cp
-from accel._parallelism import CompileMode, FSDPOptions, Parallelism
+from accel._options import CompileMode, FSDPOptions
+from accel._parallelism import Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions

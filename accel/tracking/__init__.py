@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from accel._env_vars import check_tracker_name
+from accel._settings.tracker_names import check_tracker_name
 from accel.context import RunContext
 from accel.tracking._files import JSONLTracker, TensorBoardTracker
 from accel.tracking._progress import progress

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from accel._env_vars import BUILTIN_TRACKER_NAMES
+from accel._settings.tracker_names import BUILTIN_TRACKER_NAMES
 from accel.tracking._files import JSONLTracker, TensorBoardTracker
 from accel.tracking._services import MLflowTracker, TrackioTracker, WandbTracker
 

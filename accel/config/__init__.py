@@ -1,54 +1,27 @@
 """User settings: YAML config files (accel's or Accelerate's) and the `ACCEL_*` variables.
 
-This module and `accel.distributed` are the only places accel reads `os.environ`. `accel launch`
+This package and `accel.distributed` are the only places accel reads `os.environ`. Every
+setting is declared once in the settings table (`_table.TABLE`: the core keys in
+`accel/config/_settings.py`, each strategy's section in its package, e.g.
+`accel/parallel/_settings_fsdp.py`), with its YAML key, flag, value type, default, RunContext
+field, `ACCEL_*` variable and the variable Accelerate's launcher exports; reading a config,
+writing and reading the workers' variables and Accelerate's are loops over it. `accel launch`
 passes its settings to the processes it starts through these variables, and `init_distributed`
-reads them once and records each value's source in `RunContext.sources`:
-
-| variable                 | RunContext field   | values                 |
-|--------------------------|--------------------|------------------------|
-| `ACCEL_PRECISION`        | `precision`        | fp32, bf16, fp16, fp8, no |
-| `ACCEL_GRAD_ACCUM_STEPS` | `grad_accum_steps` | int >= 1               |
-| `ACCEL_SEED`             | `seed`             | int                    |
-| `ACCEL_DEVICE`           | `device`           | cpu, cuda, cuda:1, mps |
-| `ACCEL_CONFIG_FILE`      | (config file path) | path to a YAML file    |
-| `ACCEL_PP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_DP_REPLICATE_SIZE` | `parallelism`   | int >= 1 or -1 (fill)  |
-| `ACCEL_DP_SHARD_SIZE`    | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_CP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_TP_SIZE`          | `parallelism`      | int >= 1 or -1         |
-| `ACCEL_FSDP_<FIELD>`     | `fsdp`             | e.g. `ACCEL_FSDP_LAYER_CLASSES=Block`  |
-| `ACCEL_COMPILE`          | `compile`          | false, true, regional  |
-| `ACCEL_ACTIVATION_CHECKPOINTING` | `activation_checkpointing` | true, false |
-| `ACCEL_LOG_WITH`         | `log_with`         | wandb,mlflow (names)   |
-| `ACCEL_DEEPSPEED_CONFIG` | `deepspeed`        | JSON: `{"zero_stage": 2}` |
+reads them once and records each value's source in `RunContext.sources`. The variables are the
+rows' `env` (docs/cli.md lists them); `ACCEL_CONFIG_FILE` names a config file to read.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from accel import _accelerate_config
-from accel._env_vars import (
-    ENV_CONFIG_FILE,
-    Section,
-    env_settings,
-    parse_bool,
-    parse_distributed_type,
-    parse_float,
-    parse_int,
-    parse_log_with,
-    parse_optional_int,
-    parse_port,
-    parse_precision,
-    parse_section,
-    parse_str,
-)
-from accel._parallelism import Parallelism
+# The table and its loops; accel's other packages import them from these private modules.
+from accel._settings.table import KEYS, SECTIONS, build, read_environment
+from accel._settings.values import Section, parse
 from accel._typing import Precision
 
 __all__ = ["Config", "default_config_path", "load_config"]
@@ -115,38 +88,9 @@ class Config:
     """Trackers `init_trackers(ctx, None, ...)` builds (Accelerate's `log_with`), by name."""
 
 
-_PARSERS: Mapping[str, Callable[[str, Any], Any]] = MappingProxyType(
-    {
-        "distributed_type": parse_distributed_type,
-        "num_processes": parse_int(1),
-        "num_machines": parse_int(1),
-        "machine_rank": parse_int(0),
-        "main_process_ip": parse_str,
-        "main_process_port": parse_port,
-        "rdzv_backend": lambda k, v: _choice(k, v, ("static", "c10d")),
-        "mixed_precision": parse_precision,
-        "gradient_accumulation_steps": parse_int(1),
-        "seed": parse_optional_int(0),
-        "use_cpu": parse_bool,
-        "gpu_ids": parse_str,
-        "max_restarts": parse_int(0),
-        "monitor_interval": parse_float,
-        "num_cpu_threads_per_process": parse_optional_int(1),
-        "fsdp_config": parse_section,
-        "parallelism_config": parse_section,
-        "dynamo_config": parse_section,
-        "fp8_config": parse_section,
-        "deepspeed_config": parse_section,
-        "log_with": parse_log_with,
-    }
-)
-assert set(_PARSERS) == {f.name for f in fields(Config)}
-
-
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"config: {key}={value!r} is not allowed; expected one of {allowed}.")
-    return str(value)
+ENV_CONFIG_FILE = "ACCEL_CONFIG_FILE"
+"""The config file `init_distributed` reads when given none (and `accel config` writes)."""
+assert {f.name for f in fields(Config)} == set(KEYS) | set(SECTIONS), "Config and the table"
 
 
 def parse_value(key: str, value: Any) -> Any:
@@ -158,7 +102,9 @@ def parse_value(key: str, value: Any) -> Any:
         >>> parse_value("mixed_precision", "no")
         'fp32'
     """
-    return _PARSERS[key](key, value)
+    if key in SECTIONS:
+        return parse("section", key, value)
+    return parse(KEYS[key].kind, key, value)
 
 
 def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
@@ -171,54 +117,22 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
     for key, value in data.items():
         if key in _IGNORED_KEYS:
             continue
-        if key not in _PARSERS:
+        if key not in KEYS and key not in SECTIONS:
             raise ValueError(
-                f"{origin}: unknown key {key!r}; expected one of {sorted(_PARSERS)} "
+                f"{origin}: unknown key {key!r}; expected one of {sorted([*KEYS, *SECTIONS])} "
                 "(or a key of Accelerate's that accel ignores). Remove or rename it."
             )
-        values[key] = _PARSERS[key](key, value)
+        values[key] = parse_value(key, value)
     config = Config(**values)
     if config.machine_rank >= config.num_machines:
         raise ValueError(
             f"{origin}: machine_rank={config.machine_rank} must be below "
             f"num_machines={config.num_machines}."
         )
-    _deepspeed_settings(config)  # validate the section here, not in every worker
-    sizes = _parallel_settings(config)[0]  # validate the sections here, not in every worker
-    _accelerate_config.check_fp8_config(config.mixed_precision, config.fp8_config)
+    sizes = build(config).get("parallelism")  # every section checked here, not in each worker
     if sizes is not None:
         sizes.resolve(config.num_processes)
     return config
-
-
-def _parallel_settings(config: Config) -> tuple[Parallelism | None, Any, Any, bool]:
-    kind = config.distributed_type
-    return (
-        _accelerate_config.parallelism_of(kind, config.parallelism_config),
-        _accelerate_config.fsdp_options(kind, config.fsdp_config),
-        _accelerate_config.compile_mode(config.dynamo_config),
-        _accelerate_config.activation_checkpointing(config.fsdp_config),
-    )
-
-
-def _deepspeed_settings(config: Config) -> tuple[Section | None, int]:
-    """(the deepspeed_config section of a DEEPSPEED run or None, the accumulation steps).
-
-    As in Accelerate, the section's gradient_accumulation_steps is the run's when the top-level
-    key is left at 1; two different values are refused.
-    """
-    section = _accelerate_config.deepspeed_section(config.distributed_type, config.deepspeed_config)
-    steps = config.gradient_accumulation_steps
-    inner = dict(section or ()).get("gradient_accumulation_steps", "auto")
-    if inner != "auto":
-        inner = parse_int(1)("deepspeed_config.gradient_accumulation_steps", inner)
-        if steps not in (1, inner):
-            raise ValueError(
-                f"config: gradient_accumulation_steps={steps} but deepspeed_config has "
-                f"gradient_accumulation_steps={inner}; set one of them (or make them equal)."
-            )
-        steps = inner
-    return section, steps
 
 
 def default_config_path() -> Path:
@@ -251,13 +165,7 @@ def as_mapping(config: Config) -> dict[str, Any]:
         {'fsdp_version': 2}
     """
     out: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(config)}
-    for name in (
-        "fsdp_config",
-        "parallelism_config",
-        "dynamo_config",
-        "fp8_config",
-        "deepspeed_config",
-    ):
+    for name in SECTIONS:
         out[name] = dict(out[name])
     out["log_with"] = list(config.log_with)
     return out
@@ -355,27 +263,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
     """Return the RunContext settings a `Config` carries, each labelled with `source`."""
-    deepspeed, steps = _deepspeed_settings(config)
-    found: dict[str, tuple[Any, str]] = {
-        "precision": (config.mixed_precision, source),
-        "grad_accum_steps": (steps, source),
-    }
-    if deepspeed is not None:
-        found["deepspeed"] = (deepspeed, source)
-    if config.seed is not None:
-        found["seed"] = (config.seed, source)
-    sizes, fsdp, compile, checkpointing = _parallel_settings(config)
-    if sizes is not None:
-        found["parallelism"] = (sizes, source)
-    if fsdp is not None:
-        found["fsdp"] = (fsdp, source)
-    if compile:
-        found["compile"] = (compile, source)
-    if checkpointing:
-        found["activation_checkpointing"] = (True, source)
-    if config.log_with:
-        found["log_with"] = (config.log_with, source)
-    return found
+    return {name: (value, source) for name, value in build(config).items()}
+
+
+def env_settings(
+    environ: Mapping[str, str], *, fn: str = "init_distributed"
+) -> dict[str, tuple[Any, str]]:
+    """Return the RunContext settings found in `environ` (the `ACCEL_*` variables `accel launch`
+    writes), each with its source label.
+
+    `fn` names the caller in errors: the workers' `init_distributed`, or `accel launch`, which
+    checks its own environment the same way before it starts them.
+    """
+    return read_environment(environ, fn)
 
 
 def check_launch_environment(config: Config) -> None:
@@ -391,7 +291,7 @@ def check_launch_environment(config: Config) -> None:
         return
     sizes, source = found["parallelism"]
     variables = source.removeprefix("env ")
-    configured = _parallel_settings(config)[0]
+    configured = build(config).get("parallelism")
     if configured is not None and configured != sizes:
         raise ValueError(
             f"accel launch: {variables} set the mesh to {sizes}, and the config or flags set "

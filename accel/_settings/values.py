@@ -1,0 +1,256 @@
+"""One parser per value type of the settings table (a `Setting.kind`), and its spelling in a
+variable. Each parser takes what YAML gives (booleans, ints) or the text of a flag or an
+`ACCEL_*` variable ("true", "2"), and refuses anything else naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, cast, get_args
+
+from accel._options import check_compile
+from accel._settings.tracker_names import check_tracker_name
+from accel._typing import Precision
+
+Section = tuple[tuple[str, Any], ...]
+
+# Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
+UNSUPPORTED_TYPES = MappingProxyType(
+    {
+        "MEGATRON_LM": "accel does not wrap Megatron-LM",
+        "XLA": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "TPU": "accel runs on torch.distributed backends (gloo, nccl), not XLA",
+        "MULTI_NPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_XPU": "accel supports cpu, cuda and mps devices",
+        "MULTI_MLU": "accel supports cpu, cuda and mps devices",
+    }
+)
+
+
+def _integer(fn: str, key: str, value: Any, minimum: int, *, fill: bool = False) -> int:
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+    ok = isinstance(number, int) and not isinstance(number, bool)
+    if not ok or (number < minimum and not (fill and number == -1)):
+        allowed = f">= {minimum}" + (" or -1 (fill)" if fill else "")
+        raise ValueError(
+            f"{fn}: {key}={value!r} must be an integer {allowed}. Fix the value in the config "
+            "file, the flag or the variable."
+        )
+    return cast(int, number)
+
+
+def _bool(fn: str, key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{fn}: {key}={value!r} must be true or false.")
+
+
+def _optional_bool(fn: str, key: str, value: Any) -> bool | None:
+    return None if value is None or value == "" else _bool(fn, key, value)
+
+
+def _text(fn: str, key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise ValueError(f"{fn}: {key}={value!r} must be a string.")
+    return str(value)
+
+
+def _float(fn: str, key: str, value: Any) -> float:
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or not math.isfinite(number)
+        or number <= 0
+    ):
+        raise ValueError(f"{fn}: {key}={value!r} must be a finite number > 0, e.g. 0.1.")
+    return float(number)
+
+
+def _port(fn: str, key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    number = _integer(fn, key, value, 0) if not isinstance(value, bool) else -1
+    if not 0 <= number <= 65535:
+        raise ValueError(
+            f"{fn}: {key}={value!r} is not a TCP port; expected an integer in [0, 65535] "
+            "(0 picks a free port on a single machine)."
+        )
+    return number
+
+
+def _distributed_type(fn: str, key: str, value: Any) -> str:
+    text = str(value).upper()
+    if text in UNSUPPORTED_TYPES:
+        raise NotImplementedError(f"{fn}: {key}={value!r}: {UNSUPPORTED_TYPES[text]}.")
+    if text not in DISTRIBUTED_TYPES:
+        raise ValueError(
+            f"{fn}: {key}={value!r} is not known; expected one of {DISTRIBUTED_TYPES}."
+        )
+    return text
+
+
+def _precision(fn: str, key: str, value: Any) -> Precision:
+    # YAML reads a bare `no` as False, which is how Accelerate's files spell "no mixed precision".
+    text = "fp32" if value is False or value in ("no", "fp32", None) else value
+    if text not in get_args(Precision):
+        raise ValueError(
+            f"{fn}: {key}={value!r} is not a precision; expected one of "
+            f"{get_args(Precision)} (or Accelerate's 'no'). Example: mixed_precision: bf16"
+        )
+    return cast(Precision, text)
+
+
+def _names(fn: str, key: str, value: Any) -> tuple[str, ...]:
+    """Tracker names: a list, or one comma-separated string."""
+    if value is None or value == "":
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(
+            f"{fn}: {key}={value!r} must be a list of tracker names or 'wandb,mlflow'."
+        )
+    parsed = tuple(
+        check_tracker_name(f"{fn}: {key}", n.strip() if isinstance(n, str) else n) for n in names
+    )
+    if len(set(parsed)) != len(parsed):
+        raise ValueError(f"{fn}: {key}={value!r} repeats a tracker name; list each once.")
+    return parsed
+
+
+def _class_names(fn: str, key: str, value: Any) -> tuple[str, ...]:
+    listed = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return tuple(str(n).strip() for n in listed if str(n).strip())
+
+
+def _section(fn: str, key: str, value: Any) -> Section:
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, list)):  # pairs: a Config turned back into a mapping
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{fn}: {key}={value!r} must be a mapping of keys to values.")
+    return tuple(sorted(value.items()))
+
+
+def _json_section(fn: str, key: str, value: Any) -> Section:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"{fn}: {key} must be a JSON object of Accelerate's deepspeed_config keys "
+                "(accel launch writes it); unset it."
+            )
+    return _section(fn, key, value)
+
+
+def _compile(fn: str, key: str, value: Any) -> Any:
+    if isinstance(value, str):
+        value = {"false": False, "true": True}.get(value.lower(), value)
+    return check_compile(fn, value, name=key)
+
+
+def _choice(allowed: tuple[str, ...]) -> Callable[[str, str, Any], str]:
+    def parse(fn: str, key: str, value: Any) -> str:
+        if value not in allowed:
+            raise ValueError(f"{fn}: {key}={value!r} is not allowed; expected one of {allowed}.")
+        return str(value)
+
+    return parse
+
+
+PARSERS: Mapping[str, Callable[[str, str, Any], Any]] = MappingProxyType(
+    {
+        "bool": _bool,
+        "optional_bool": _optional_bool,
+        "count": lambda fn, k, v: _integer(fn, k, v, 1),
+        "index": lambda fn, k, v: _integer(fn, k, v, 0),
+        "optional_count": lambda fn, k, v: None if v is None else _integer(fn, k, v, 1),
+        "optional_index": lambda fn, k, v: None if v is None else _integer(fn, k, v, 0),
+        "mesh_size": lambda fn, k, v: _integer(fn, k, v, 1, fill=True),
+        "float": _float,
+        "text": _text,
+        "port": _port,
+        "rdzv_backend": _choice(("static", "c10d")),
+        "distributed_type": _distributed_type,
+        "precision": _precision,
+        "names": _names,
+        "class_names": _class_names,
+        "section": _section,
+        "json_section": _json_section,
+        "compile": _compile,
+        "any": lambda fn, k, v: v,  # checked by its section's code (fsdp_version, zero_stage)
+    }
+)
+
+
+def parse(kind: str, key: str, value: Any, *, fn: str = "config") -> Any:
+    """The value of a setting of type `kind`, checked; `fn` names the caller in errors.
+
+    Example:
+        >>> parse("precision", "mixed_precision", "no")
+        'fp32'
+    """
+    return PARSERS[kind](fn, key, value)
+
+
+def spell(kind: str, value: Any) -> str:
+    """A value as a variable carries it ("" for none): the text `parse` reads back.
+
+    Example:
+        >>> spell("names", ("wandb", "mlflow")), spell("bool", True)
+        ('wandb,mlflow', 'true')
+    """
+    if value is None:
+        return ""
+    if kind == "json_section":
+        return json.dumps(dict(value))
+    if isinstance(value, (tuple, list)):
+        return ",".join(c if isinstance(c, str) else c.__name__ for c in value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).removeprefix("torch.")  # a dtype by its name: "bfloat16"
+
+
+def refuse(key: str, value: Any, why: str) -> None:
+    """Refuse a value accel cannot honour, naming the key and the reason."""
+    raise NotImplementedError(f"config: {key}={value!r} is not supported: {why}.")
+
+
+def allow(key: str, value: Any, allowed: tuple[Any, ...], why: str) -> None:
+    """Refuse `value` unless it spells one of `allowed` (case-insensitive)."""
+    if str(value).lower() not in {str(a).lower() for a in allowed}:
+        refuse(key, value, why)
+
+
+def known(section: str, pairs: Section, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The section's values as a dict, refusing a key the table does not declare."""
+    values = dict(pairs)
+    for key in values:
+        if key not in keys:
+            raise ValueError(
+                f"config: {section} has unknown key {key!r}; accel knows {sorted(keys)}. "
+                "Remove it, or rename it to one of those."
+            )
+    return values

@@ -1,0 +1,82 @@
+"""The core section of the settings table: the top-level keys of a launch config.
+
+Declarations only (the standard library and `accel_cli._setting`): the `accel` command reads
+this file without importing accel. Strategies declare their sections in their own packages
+(`accel/parallel/_settings_*.py`); `accel/_settings/table.py` turns them all into behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accel_cli._setting import Section, Setting
+
+HARDWARE = "Hardware Selection Arguments"
+RESOURCES = "Resource Selection Arguments"
+DISTRIBUTED = "Distributed GPUs"
+TRAINING = "Training Settings (accel)"
+
+
+def _build(config: Any) -> dict[str, Any]:
+    """The RunContext values of the top-level keys (the sections add theirs)."""
+    found: dict[str, Any] = {
+        "precision": config.mixed_precision,
+        "grad_accum_steps": config.gradient_accumulation_steps,
+    }
+    if config.seed is not None:
+        found["seed"] = config.seed
+    if config.log_with:
+        found["log_with"] = config.log_with
+    if config.use_cpu:
+        found["device"] = "cpu"
+    return found
+
+
+SECTION = Section(
+    name="",
+    title=TRAINING,
+    description="Settings recorded in every process's RunContext.",
+    order=100,  # listed last in `accel launch --help`, as before the table
+    build=_build,
+    settings=(
+        Setting(key="distributed_type", kind="distributed_type", default="NO", flag=False,
+                help="Accelerate's run kind: NO, MULTI_CPU, MULTI_GPU, FSDP or DEEPSPEED"),
+        Setting(key="num_processes", kind="count", default=1, group=RESOURCES,
+                help="processes in total, over all machines"),
+        Setting(key="num_machines", kind="count", default=1, group=RESOURCES,
+                help="machines taking part"),
+        Setting(key="machine_rank", kind="index", default=0, group=DISTRIBUTED,
+                help="this machine's index"),
+        Setting(key="main_process_ip", kind="text", group=DISTRIBUTED,
+                help="address of machine 0 (the rendezvous host)"),
+        Setting(key="main_process_port", kind="port", group=DISTRIBUTED,
+                help="rendezvous port; 0 picks a free one (one machine only)"),
+        Setting(key="rdzv_backend", kind="rdzv_backend", default="static", group=DISTRIBUTED,
+                help="torchrun rendezvous backend: static or c10d"),
+        Setting(key="mixed_precision", kind="precision", default="fp32", group=RESOURCES,
+                field="precision", env="ACCEL_PRECISION",
+                accelerate_env="ACCELERATE_MIXED_PRECISION",
+                help="fp32 (or Accelerate's 'no'), bf16, fp16 or fp8"),
+        Setting(key="gradient_accumulation_steps", kind="count", default=1,
+                field="grad_accum_steps", env="ACCEL_GRAD_ACCUM_STEPS",
+                accelerate_env="ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                flags=("grad_accum_steps",), help="micro-batches per optimizer step"),
+        Setting(key="seed", kind="optional_index", field="seed", env="ACCEL_SEED",
+                help="base seed recorded in every process's RunContext"),
+        Setting(key="use_cpu", kind="bool", default=False, group=HARDWARE,
+                accelerate_env="ACCELERATE_USE_CPU", accelerate_case="title", flags=("cpu",),
+                help="run on the CPU even when GPUs are present"),
+        Setting(key=None, kind="text", field="device", env="ACCEL_DEVICE",
+                help="the device of every process (use_cpu writes cpu)"),
+        Setting(key="gpu_ids", kind="text", default="all", group=DISTRIBUTED,
+                env="CUDA_VISIBLE_DEVICES", help="comma-separated GPU ids to use, or 'all'"),
+        Setting(key="max_restarts", kind="index", default=0, group=DISTRIBUTED,
+                help="how often the elastic agent restarts failed workers"),
+        Setting(key="monitor_interval", kind="float", default=0.1, group=DISTRIBUTED,
+                help="seconds between the agent's checks on its workers"),
+        Setting(key="num_cpu_threads_per_process", kind="optional_count", group=RESOURCES,
+                env="OMP_NUM_THREADS", help="OMP/torch threads per process"),
+        Setting(key="log_with", kind="names", default=(), field="log_with", env="ACCEL_LOG_WITH",
+                help="trackers init_trackers builds by default, e.g. wandb,mlflow"),
+    ),
+)  # fmt: skip
