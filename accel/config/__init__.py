@@ -58,6 +58,8 @@ class Config:
     """Rendezvous port; 0 or None picks a free one on a single machine."""
     rdzv_backend: str = "static"
     """torchrun rendezvous backend: static or c10d."""
+    rdzv_conf: str | None = None
+    """c10d rendezvous options as torchrun's --rdzv-conf takes them ("join_timeout=60,...")."""
     mixed_precision: Precision = "fp32"
     """Autocast precision."""
     gradient_accumulation_steps: int = 1
