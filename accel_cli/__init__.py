@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from accel_cli._refused import add_refused
+
 if TYPE_CHECKING:
     from accel_cli._setting import Setting  # a type only: `accel --help` reads no table
 
@@ -241,8 +243,6 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
                 if not shown:
                     options["help"] = argparse.SUPPRESS
                 _add_flag(group, name, default=None, **options)
-    from accel_cli._refused import add_refused
-
     add_refused(parser)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
