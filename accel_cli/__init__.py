@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from accel_cli._refused import add_refused
+
 if TYPE_CHECKING:
     from accel_cli._setting import Setting  # a type only: `accel --help` reads no table
 
@@ -34,7 +36,7 @@ _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "--help` also lists the FSDP arguments, `--use_deepspeed --help` the DeepSpeed ones.",
      ("use_deepspeed", "use_fsdp", "use_parallelism_config")),
     ("Distributed GPUs", "Arguments related to distributed training (GPUs or CPUs).",
-     ("tee", "log_dir")),
+     ("same_network", "tee", "log_dir")),
 )  # fmt: skip
 
 _FLAG_HELP = {
@@ -42,10 +44,11 @@ _FLAG_HELP = {
     "use_fsdp": "shard with FSDP2",
     "use_deepspeed": "train through a DeepSpeed ZeRO engine (wrap_model, strategy 'auto')",
     "use_parallelism_config": "accepted for Accelerate; parallelism_config_* flags set the mesh",
+    "same_network": "accepted for Accelerate: machine 0's address is always passed to torchrun",
     "log_dir": "write each worker's output under this folder",
     "tee": "also copy workers' output into --log_dir: 0 none, 1 stdout, 2 stderr, 3 both",
 }
-_SWITCHES = ("multi_gpu", "use_fsdp", "use_deepspeed", "use_parallelism_config")
+_SWITCHES = ("same_network", "multi_gpu", "use_fsdp", "use_deepspeed", "use_parallelism_config")
 _EXAMPLES = {"int": "2", "float": "0.5"}
 _METAVARS = {int: "N", float: "SECONDS"}
 _TYPE_NAMES = {"int": "a whole number", "float": "a number"}
@@ -240,6 +243,7 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
                 if not shown:
                     options["help"] = argparse.SUPPRESS
                 _add_flag(group, name, default=None, **options)
+    add_refused(parser)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 

@@ -97,6 +97,51 @@ def _port(fn: str, key: str, value: Any) -> int | None:
     return number
 
 
+# What torch's c10d rendezvous reads from --rdzv-conf (torch/distributed/elastic/rendezvous/
+# dynamic_rendezvous.py `create_handler`, c10d_rendezvous_backend.py `_create_tcp_store` and
+# `create_backend`; `timeout` is torch.distributed.launcher.api's), by value type.
+RDZV_CONF_KEYS = MappingProxyType(
+    {
+        "join_timeout": "seconds", "last_call_timeout": "seconds", "close_timeout": "seconds",
+        "heartbeat_timeout": "seconds", "read_timeout": "seconds", "timeout": "seconds",
+        "keep_alive_interval": "seconds", "keep_alive_max_attempt": "count",
+        "is_host": "bool", "store_type": "store",
+    }
+)  # fmt: skip
+
+
+def _rdzv_conf(fn: str, key: str, value: Any) -> str | None:
+    """torchrun's --rdzv-conf text, "k1=v1,k2=v2", each key one c10d reads, each value valid."""
+    if value is None or value == "":
+        return None
+    pairs: list[str] = value.split(",") if isinstance(value, str) else [""]
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or not name:
+            raise ValueError(
+                f"{fn}: {key}={value!r} must be 'key=value' pairs separated by commas, e.g. "
+                "join_timeout=60,last_call_timeout=5."
+            )
+        kind = RDZV_CONF_KEYS.get(name)
+        if kind is None:
+            raise ValueError(
+                f"{fn}: {key} has unknown key {name!r}; torch's c10d rendezvous reads "
+                f"{sorted(RDZV_CONF_KEYS)}. Remove or rename it."
+            )
+        ok = {
+            "seconds": text.isdigit() and int(text) > 0,
+            "count": text.isdigit() and int(text) > 0,
+            "bool": text.lower() in ("true", "false", "1", "0"),
+            "store": text.lower() in ("tcp", "file"),
+        }[kind]
+        if not ok:
+            allowed = {"seconds": "a whole number of seconds > 0", "count": "an integer > 0",
+                       "bool": "true or false", "store": "tcp or file"}[kind]  # fmt: skip
+            raise ValueError(f"{fn}: {key}: {name}={text!r} must be {allowed}.")
+    return ",".join(p.strip() for p in value.split(","))
+
+
 def _distributed_type(fn: str, key: str, value: Any) -> str:
     text = str(value).upper()
     if text in UNSUPPORTED_TYPES:
@@ -193,6 +238,7 @@ PARSERS: Mapping[str, Callable[[str, str, Any], Any]] = MappingProxyType(
         "text": _text,
         "port": _port,
         "rdzv_backend": _choice(("static", "c10d")),
+        "rdzv_conf": _rdzv_conf,
         "distributed_type": _distributed_type,
         "precision": _precision,
         "names": _names,

@@ -87,6 +87,15 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
         "--monitor-interval", str(config.monitor_interval),
     ]  # fmt: skip
     port = config.main_process_port
+    c10d = config.rdzv_backend == "c10d" if machines > 1 else config.max_restarts > 0
+    if config.rdzv_conf and not c10d:
+        raise ValueError(
+            f"rdzv_conf={config.rdzv_conf!r} configures the c10d rendezvous, which this launch "
+            "does not use; pass --rdzv_backend c10d (several machines) or --max_restarts N (one "
+            "machine), or drop --rdzv_conf."
+        )
+    if config.rdzv_conf:
+        argv += ["--rdzv-conf", config.rdzv_conf]
     if machines == 1 and config.max_restarts:
         # c10d rendezvous, where each restarted attempt gets a fresh store (_AGENT_ENVIRONMENT).
         if port:
@@ -196,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     config = resolve_config(args)
     _config.check_launch_environment(config)
@@ -221,7 +231,24 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except SignalException as err:  # a scheduler's stop signal, forwarded to the workers
         return _signals.exit_after_signal(err)
+    except RendezvousTimeoutError:
+        print(rendezvous_timeout_line(config, argv), file=sys.stderr)
+        return 1
     return 0
+
+
+def rendezvous_timeout_line(config: _config.Config, argv: list[str]) -> str:
+    """The one line for a c10d rendezvous that timed out: a machine never arrived."""
+    endpoint = argv[argv.index("--rdzv-endpoint") + 1] if "--rdzv-endpoint" in argv else "?"
+    conf = dict(p.split("=", 1) for p in (config.rdzv_conf or "").split(",") if p)
+    seconds = conf.get("join_timeout", "600")  # torch's default (dynamic_rendezvous.py)
+    return (
+        f"accel launch: the c10d rendezvous at {endpoint} timed out after {seconds} s "
+        f"(join_timeout) before all {config.num_machines} machines joined; start `accel launch "
+        f"--machine_rank R` on every other machine with the same --main_process_ip and "
+        f"--main_process_port, check they reach {endpoint}, or wait longer with --rdzv_conf "
+        "join_timeout=SECONDS."
+    )
 
 
 def failure_summary(failures: Mapping[int, Any]) -> str:

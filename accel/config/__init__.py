@@ -58,6 +58,8 @@ class Config:
     """Rendezvous port; 0 or None picks a free one on a single machine."""
     rdzv_backend: str = "static"
     """torchrun rendezvous backend: static or c10d."""
+    rdzv_conf: str | None = None
+    """c10d rendezvous options as torchrun's --rdzv-conf takes them ("join_timeout=60,...")."""
     mixed_precision: Precision = "fp32"
     """Autocast precision."""
     gradient_accumulation_steps: int = 1
@@ -286,6 +288,7 @@ def check_launch_environment(config: Config) -> None:
         ValueError: for a value `init_distributed` would refuse, mesh sizes that do not fill
             `config.num_processes`, or mesh sizes that contradict the config's or flags'.
     """
+    _check_torchrun_variables(config, os.environ)
     found = env_settings(os.environ, fn="accel launch")
     if "parallelism" not in found:
         return
@@ -301,6 +304,34 @@ def check_launch_environment(config: Config) -> None:
         sizes.resolve(config.num_processes)
     except ValueError as err:
         raise ValueError(f"accel launch: {variables}: {err}") from None
+
+
+def _check_torchrun_variables(config: Config, environ: Mapping[str, str]) -> None:
+    """Refuse torchrun's `PET_*` defaults (Kubeflow's TrainJob sets them for `torchrun`) that
+    disagree with the launch settings: accel launch passes its own, which torchrun would take."""
+    machines = config.num_machines
+    ours = {
+        "PET_NNODES": ("num_machines", str(machines)),
+        "PET_NPROC_PER_NODE": ("num_processes", str(config.num_processes // machines)),
+        "PET_NODE_RANK": ("machine_rank", str(config.machine_rank)),
+        "PET_MASTER_ADDR": ("main_process_ip", config.main_process_ip),
+        "PET_MASTER_PORT": ("main_process_port", config.main_process_port),
+    }
+    wrong = []
+    for var, (key, value) in ours.items():
+        theirs = environ.get(var, "").strip()
+        comparable = theirs.isdigit() or var == "PET_MASTER_ADDR"  # not "1:4", "auto", "gpu"
+        if theirs and comparable and value is not None and theirs != str(value):
+            shown = f"{key}={value}" + (" per machine" if var == "PET_NPROC_PER_NODE" else "")
+            wrong.append(f"{var}={theirs} but {shown}")
+    if wrong:
+        raise ValueError(
+            f"accel launch: torchrun's variables (set by Kubeflow's TrainJob) disagree with the "
+            f"launch settings: {'; '.join(wrong)}. Pass the same values as flags (e.g. "
+            "--num_machines $PET_NNODES --num_processes $((PET_NNODES*PET_NPROC_PER_NODE)) "
+            "--machine_rank $PET_NODE_RANK --main_process_ip $PET_MASTER_ADDR "
+            "--main_process_port $PET_MASTER_PORT), or unset them."
+        )
 
 
 def resolve_settings(

@@ -53,6 +53,8 @@ SECTION = Section(
                 help="rendezvous port; 0 picks a free one (one machine only)"),
         Setting(key="rdzv_backend", kind="rdzv_backend", default="static", group=DISTRIBUTED,
                 help="torchrun rendezvous backend: static or c10d"),
+        Setting(key="rdzv_conf", kind="rdzv_conf", group=DISTRIBUTED,
+                help="c10d rendezvous options, e.g. join_timeout=60,last_call_timeout=5"),
         Setting(key="mixed_precision", kind="precision", default="fp32", group=RESOURCES,
                 field="precision", env="ACCEL_PRECISION",
                 accelerate_env="ACCELERATE_MIXED_PRECISION",
