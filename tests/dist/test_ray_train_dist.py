@@ -119,6 +119,7 @@ def _fit(tmp: Path, name: str, fail_at: int) -> list[dict[str, Any]]:
     return [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.timeout(900)  # two fits of a Ray cluster: 270 s on 2 loaded cores, over 300 in CI
 def test_a_failed_worker_is_restarted_by_ray_and_resumes_exactly(
     tmp_path: Path, local_ray: None
 ) -> None:
