@@ -31,3 +31,22 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return [p for p in found if alive(p)]
+
+
+# Python's own helper processes that outlive a test by design: run_world's forkserver (one per
+# pytest process, kept for every later world) and multiprocessing's resource tracker.
+_SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def leftovers(pid: int) -> list[int]:
+    """The living processes below `pid` that a test left behind: its descendants, less the
+    session's multiprocessing helpers (a test that ran after a run_world sees those)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):  # ended while we looked
+            continue
+        if not any(helper in command for helper in _SESSION_HELPERS):
+            found.append(child)
+    return found

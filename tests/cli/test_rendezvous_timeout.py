@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.cli.test_cli import _env
-from tests.processes import descendants
+from tests.processes import leftovers
 
 
 def _free_port() -> int:
@@ -43,7 +43,7 @@ def test_a_machine_that_never_arrives_is_one_line(tmp_path: Path) -> None:
     assert endpoint in lines[-1] and "5 s" in lines[-1] and "join_timeout" in lines[-1], stderr
     assert "Traceback" not in stderr, stderr
     assert stdout == ""
-    assert descendants(os.getpid()) == []
+    assert leftovers(os.getpid()) == []
 
 
 def test_rdzv_conf_reaches_torchrun_and_is_checked(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.cli.test_cli import _env as cli_env
-from tests.processes import descendants
+from tests.processes import leftovers
 
 SCRIPT = """
 import json, sys
@@ -130,7 +130,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             if codes == [0, 0]
             else outputs
         )
-    assert descendants(os.getpid()) == []
+    assert leftovers(os.getpid()) == []
     return results
 
 

@@ -25,7 +25,7 @@ import accel
 
 from tests.cli.test_cli import _env as cli_env
 from tests.dist.test_distributed_dist import _free_port
-from tests.processes import descendants
+from tests.processes import leftovers
 
 STEPS = 24
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +164,7 @@ def _tagged(tag: str) -> list[int]:
 def tag() -> Any:
     value = uuid.uuid4().hex
     yield value
-    assert descendants(os.getpid()) == []
+    assert leftovers(os.getpid()) == []
     assert _tagged(value) == [], "a process the test started is still running"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.processes import descendants
+from tests.processes import leftovers
 
 ray = pytest.importorskip("ray")  # the `ray` extra
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
@@ -93,14 +93,19 @@ def train_loop(config: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def local_ray() -> Any:
+    saved = dict(os.environ)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parents[2])}})  # fmt: skip
     try:
         yield
     finally:
         ray.shutdown()
+        # ray.init leaves variables in the driver (RAY_*, PYTHONBREAKPOINT): a later run_world
+        # would see a start-up variable changed and spawn its ranks instead of forking them.
+        os.environ.clear()
+        os.environ.update(saved)
     # `ray stop` is not needed: ray.init started this cluster and ray.shutdown ends it
-    leftover = [pid for pid in descendants(os.getpid())
+    leftover = [pid for pid in leftovers(os.getpid())
                 if "ray" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]  # fmt: skip
     assert leftover == [], "Ray left processes running"
 
