@@ -22,11 +22,13 @@ from tests.cli.test_cli import _env, accel_cli
 from tests.processes import alive, descendants
 
 SLEEPER = """
+import sys
 import time
 import accel
 
 ctx = accel.init_distributed()
-print(f"ready {ctx.rank}", flush=True)
+sys.stdout.write(f"ready {ctx.rank}\\n")  # one write: both ranks share the launcher's pipe
+sys.stdout.flush()
 time.sleep(120)
 """
 
