@@ -10,12 +10,13 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import warnings
 from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore, PrefixStore, rendezvous  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore, Store, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
 from accel._device import default_device, resolve_device
@@ -180,6 +181,33 @@ def init_distributed(
     return with_mesh(ctx, chosen_sizes, source=source)
 
 
+def _attempt_store(store: Store) -> Store:
+    """torchrun's store for this attempt's default group, clear of earlier attempts' keys.
+
+    By default torchrun's agent shares one store with the workers for the whole job (env://
+    connects to it), so workers restarted by the agent (--max_restarts) would find the previous
+    attempt's gloo addresses under the same keys: a prefix per attempt keeps them apart. That
+    count is the machine's own, though: an agent that restarts its workers because another
+    machine's failed does not count a restart, so across machines the counts differ and the
+    ranks would wait under different prefixes. Shared, the store is safe on one machine only;
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (what `accel launch` sets) each attempt's rank 0
+    hosts a fresh store, which needs no prefix.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    machines = os.environ.get("GROUP_WORLD_SIZE", "1")
+    if int(machines) > 1 and int(restarts) > 0 and os.environ.get("RANK") == "0":
+        warnings.warn(
+            f"init_distributed: torchrun restarts workers (--max-restarts {restarts}) on "
+            f"{machines} machines with one store shared for the whole job; with the c10d "
+            "rendezvous a restarted attempt can wait forever on its peers. Start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (accel launch sets it).",
+            stacklevel=3,
+        )
+    return PrefixStore(f"accel/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> bool:
     """Create the default group, or join the one that exists; True when it created it."""
     # The context refers to the default group as process_group=None rather than holding it:
@@ -195,16 +223,12 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> bool:
         return False
     if launch.launcher == "torchrun":
         die_with_parent()
-        # env:// honours torchrun's agent store. Workers restarted by the elastic agent
-        # (--max_restarts) reuse that store, where the previous attempt's gloo addresses are
-        # still written under the same keys; a prefix per attempt keeps them apart.
         store, _, _ = next(
             rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout)
         )
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend,
-            store=PrefixStore(f"accel/attempt-{attempt}/", store),
+            store=_attempt_store(store),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timeout,

@@ -1,12 +1,21 @@
 """`accel launch --max_restarts 1`: a rank dies once, the agent restarts the workers, and the
-script resumes from its latest checkpoint to the parameters of an uninterrupted run."""
+script resumes from its latest checkpoint to the parameters of an uninterrupted run; on one
+machine, and on two machines (two launchers on the loopback, c10d rendezvous, issue 36)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from tests.cli.test_cli import accel_cli
+import pytest
+
+from tests.cli.test_cli import _env, _free_port, accel_cli
+from tests.processes import leftovers
 
 SCRIPT = """
 import json, os, sys
@@ -65,3 +74,137 @@ def test_without_restarts_the_crash_fails_the_launch(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     run = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), str(tmp_path), "3")
     assert run.returncode != 0
+
+
+NODES_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+import accel
+
+out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+ctx = accel.init_distributed(seed=0)
+accel.set_seed(0, ctx=ctx)
+model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "optimizer": optimizer}
+step = 0
+if (latest := accel.latest_checkpoint(out / "ckpt")) is not None:
+    accel.load_state(ctx, latest, **state)
+    step = int(latest.name.split("-")[1])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with (out / f"attempts-{ctx.rank}.txt").open("a") as attempts:
+    attempts.write(f"{attempt} {os.environ['GROUP_RANK']}\\n")
+while step < 6:
+    x = torch.randn(8, 4)
+    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    accel.scaled_backward(ctx, loss)
+    accel.optimizer_step(ctx, optimizer)
+    optimizer.zero_grad()
+    step += 1
+    accel.save_checkpoint(ctx, out / "ckpt", state, step=step, keep=1)
+    if step == kill_at and not (out / "killed").exists():
+        if ctx.rank == 1:
+            (out / "victim.tmp").write_text(str(os.getpid()))
+            (out / "victim.tmp").rename(out / "victim.pid")  # whole, when the test sees it
+        time.sleep(120)  # rank 1 waits for the test's SIGKILL; rank 0 for its agent's stop
+if ctx.is_main:
+    params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
+    (out / "result.json").write_text(json.dumps({"params": params}))
+accel.shutdown(ctx)
+"""
+
+
+def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
+    """Two `accel launch` processes as two machines on the loopback (c10d, one restart)."""
+    port = _free_port()
+    common = [
+        "--num_machines", "2", "--num_processes", "2", "--rdzv_backend", "c10d",
+        "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--max_restarts", "1",
+        "--monitor_interval", "0.2", str(script), str(out), str(kill_at),
+    ]  # fmt: skip
+    launches = [
+        subprocess.Popen(
+            [sys.executable, "-m", "accel", "launch", "--machine_rank", str(rank), *common],
+            env=_env(tmp),
+            cwd=tmp,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 180
+        while kill_at and not (out / "victim.pid").exists():
+            assert time.monotonic() < deadline, "rank 1 never reached the step to be killed at"
+            assert all(launch.poll() is None for launch in launches), "a launch ended early"
+            time.sleep(0.1)
+        if kill_at:
+            (out / "killed").touch()  # the restarted workers must not wait again
+            os.kill(int((out / "victim.pid").read_text()), signal.SIGKILL)
+        logs = [launch.communicate(timeout=120)[0] for launch in launches]
+    finally:
+        for launch in launches:
+            launch.kill()
+            launch.communicate()
+    for launch, log in zip(launches, logs, strict=True):
+        assert launch.returncode == 0, log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_worker_killed_on_one_of_two_machines_restarts_both_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    # Machine 1's agent sees its worker fail and restarts it (TORCHELASTIC_RESTART_COUNT 1);
+    # machine 0's worker is not in a collective, so its agent restarts it because a machine
+    # is waiting at the rendezvous, which torchrun does not count as a restart (still 0).
+    script = tmp_path / "train.py"
+    script.write_text(NODES_SCRIPT)
+    params = {}
+    for name, kill_at in (("uninterrupted", 0), ("killed", 3)):
+        out = tmp_path / name
+        out.mkdir()
+        _two_machines(tmp_path, script, out, kill_at)
+        params[name] = json.loads((out / "result.json").read_text())["params"]
+    attempts = [(tmp_path / "killed" / f"attempts-{r}.txt").read_text().split("\n") for r in (0, 1)]
+    assert attempts == [["0 0", "0 0", ""], ["0 1", "1 1", ""]]
+    assert params["killed"] == params["uninterrupted"]  # bit for bit
+    assert leftovers(os.getpid()) == []
+
+
+@pytest.mark.slow
+def test_plain_torchrun_on_two_machines_with_restarts_and_its_shared_store_warns(
+    tmp_path: Path,
+) -> None:
+    # torchrun's default: its agent's store is shared with the workers for the whole job
+    script = tmp_path / "hello.py"
+    script.write_text("import accel\naccel.shutdown(accel.init_distributed())\n")
+    port = _free_port()
+    common = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", str(script),
+    ]  # fmt: skip
+    launches = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--node-rank", str(rank), *common],
+            env=_env(tmp_path),
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        errs = [launch.communicate(timeout=120)[1] for launch in launches]
+    finally:
+        for launch in launches:
+            launch.kill()
+            launch.communicate()
+    assert [launch.returncode for launch in launches] == [0, 0], errs
+    assert "UserWarning: init_distributed: torchrun restarts workers (--max-restarts 1) on 2 " \
+        "machines with one store shared for the whole job" in errs[0]  # fmt: skip
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in errs[0]
+    assert "init_distributed" not in errs[1]  # said once, by rank 0
