@@ -18,12 +18,14 @@ from tests.cli.test_cli import _env, _free_port, accel_cli
 from tests.processes import leftovers
 
 SCRIPT = """
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 import torch
 import accel
 
-out, die_at = Path(sys.argv[1]), int(sys.argv[2])
+# how rank 1 ends at step `die_at` of the first attempt: "exit" crashes, "wait" waits for the
+# test's SIGKILL (and rank 0 for its agent, out of any collective)
+out, die_at, how = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 ctx = accel.init_distributed(seed=0)
 accel.set_seed(0, ctx=ctx)
 model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
@@ -34,6 +36,8 @@ if (latest := accel.latest_checkpoint(out / "ckpt")) is not None:
     accel.load_state(ctx, latest, **state)
     step = int(latest.name.split("-")[1])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+with (out / f"attempts-{ctx.rank}.txt").open("a") as attempts:
+    attempts.write(f"{attempt} {os.environ['GROUP_RANK']}\\n")
 while step < 6:
     x = torch.randn(8, 4)  # the per-rank RNG stream is restored from the checkpoint
     loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
@@ -42,8 +46,15 @@ while step < 6:
     optimizer.zero_grad()
     step += 1
     accel.save_checkpoint(ctx, out / "ckpt", state, step=step, keep=1)
-    if step == die_at and attempt == 0 and ctx.rank == 1:
-        os._exit(3)  # a crash: no clean-up, no exception
+    if step == die_at and not (out / "died").exists():
+        if how == "exit" and ctx.rank == 1:
+            (out / "died").touch()
+            os._exit(3)  # a crash: no clean-up, no exception
+        if how == "wait":
+            if ctx.rank == 1:
+                (out / "victim.tmp").write_text(str(os.getpid()))
+                (out / "victim.tmp").rename(out / "victim.pid")  # whole, when the test sees it
+            time.sleep(120)
 if ctx.is_main:
     params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
     (out / "result.json").write_text(json.dumps({"attempt": attempt, "params": params}))
@@ -60,7 +71,7 @@ def test_a_rank_that_dies_once_is_restarted_and_resumes(tmp_path: Path) -> None:
         out.mkdir()
         run = accel_cli(
             tmp_path, "launch", "--num_processes", "2", "--max_restarts", "1",
-            "--monitor_interval", "0.2", str(script), str(out), str(die_at),
+            "--monitor_interval", "0.2", str(script), str(out), str(die_at), "exit",
         )  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
         results[name] = json.loads((out / "result.json").read_text())
@@ -72,47 +83,10 @@ def test_a_rank_that_dies_once_is_restarted_and_resumes(tmp_path: Path) -> None:
 def test_without_restarts_the_crash_fails_the_launch(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    run = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), str(tmp_path), "3")
+    run = accel_cli(
+        tmp_path, "launch", "--num_processes", "2", str(script), str(tmp_path), "3", "exit"
+    )
     assert run.returncode != 0
-
-
-NODES_SCRIPT = """
-import json, os, sys, time
-from pathlib import Path
-import torch
-import accel
-
-out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
-ctx = accel.init_distributed(seed=0)
-accel.set_seed(0, ctx=ctx)
-model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-state = {"model": model, "optimizer": optimizer}
-step = 0
-if (latest := accel.latest_checkpoint(out / "ckpt")) is not None:
-    accel.load_state(ctx, latest, **state)
-    step = int(latest.name.split("-")[1])
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-with (out / f"attempts-{ctx.rank}.txt").open("a") as attempts:
-    attempts.write(f"{attempt} {os.environ['GROUP_RANK']}\\n")
-while step < 6:
-    x = torch.randn(8, 4)
-    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-    accel.scaled_backward(ctx, loss)
-    accel.optimizer_step(ctx, optimizer)
-    optimizer.zero_grad()
-    step += 1
-    accel.save_checkpoint(ctx, out / "ckpt", state, step=step, keep=1)
-    if step == kill_at and not (out / "killed").exists():
-        if ctx.rank == 1:
-            (out / "victim.tmp").write_text(str(os.getpid()))
-            (out / "victim.tmp").rename(out / "victim.pid")  # whole, when the test sees it
-        time.sleep(120)  # rank 1 waits for the test's SIGKILL; rank 0 for its agent's stop
-if ctx.is_main:
-    params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
-    (out / "result.json").write_text(json.dumps({"params": params}))
-accel.shutdown(ctx)
-"""
 
 
 def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
@@ -121,7 +95,7 @@ def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
     common = [
         "--num_machines", "2", "--num_processes", "2", "--rdzv_backend", "c10d",
         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--max_restarts", "1",
-        "--monitor_interval", "0.2", str(script), str(out), str(kill_at),
+        "--monitor_interval", "0.2", str(script), str(out), str(kill_at), "wait",
     ]  # fmt: skip
     launches = [
         subprocess.Popen(
@@ -141,7 +115,7 @@ def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
             assert all(launch.poll() is None for launch in launches), "a launch ended early"
             time.sleep(0.1)
         if kill_at:
-            (out / "killed").touch()  # the restarted workers must not wait again
+            (out / "died").touch()  # the restarted workers must not wait again
             os.kill(int((out / "victim.pid").read_text()), signal.SIGKILL)
         logs = [launch.communicate(timeout=120)[0] for launch in launches]
     finally:
@@ -161,7 +135,7 @@ def test_a_worker_killed_on_one_of_two_machines_restarts_both_and_resumes_exactl
     # machine 0's worker is not in a collective, so its agent restarts it because a machine
     # is waiting at the rendezvous, which torchrun does not count as a restart (still 0).
     script = tmp_path / "train.py"
-    script.write_text(NODES_SCRIPT)
+    script.write_text(SCRIPT)
     params = {}
     for name, kill_at in (("uninterrupted", 0), ("killed", 3)):
         out = tmp_path / name
