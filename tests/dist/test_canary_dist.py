@@ -26,7 +26,7 @@ def test_ranks_run_under_the_canary_and_fail_a_host_batch(strategy: str) -> None
     with device_canary():
         seen = run_world(_step, world_size=2, args=(True, strategy), timeout=120)
         assert [device for device, _ in seen] == ["cpu:0", "cpu:0"]
-        with pytest.raises(RuntimeError, match="device canary: torch.nn.functional.linear"):
+        with pytest.raises(RuntimeError, match=r"device canary: torch\.nn\.functional\.linear"):
             run_world(_step, world_size=2, args=(False, strategy), timeout=120)
     if strategy == "fsdp2":
         return

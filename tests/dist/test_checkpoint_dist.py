@@ -342,4 +342,6 @@ def test_a_rank_failing_to_write_fails_save_state_promptly_on_every_rank(
         for p in model.parameters():
             p.zero_()
     accel.load_state(RunContext.single(), tmp_path / "step-1", model=model)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _mlp().parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), _mlp().parameters(), strict=True)
+    )

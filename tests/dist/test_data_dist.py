@@ -25,7 +25,9 @@ class Stream(IterableDataset[int]):
         return iter(range(self.n))
 
 
-def _evaluate(ctx: accel.RunContext, loader: accel.ShardedLoader, stop: int | None = None) -> list[int]:
+def _evaluate(
+    ctx: accel.RunContext, loader: accel.ShardedLoader, stop: int | None = None
+) -> list[int]:
     out: list[int] = []
     for k, batch in enumerate(loader):
         if k == stop:
@@ -37,17 +39,30 @@ def _evaluate(ctx: accel.RunContext, loader: accel.ShardedLoader, stop: int | No
 def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
     res: dict[str, Any] = {}
     res["full"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2)))
-    res["early"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2)), stop=2)
-    uneven = accel.shard_loader(ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False)
+    res["early"] = _evaluate(
+        ctx, accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2)), stop=2
+    )
+    uneven = accel.shard_loader(
+        ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False
+    )
     res["uneven"] = _evaluate(ctx, uneven)
     res["iterable"] = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(Stream(13), batch_size=3)))
     # a (predictions, labels) tree of two dtypes, uneven last batches: one exchange, trimmed
-    uneven = accel.shard_loader(ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False)
-    pairs = [accel.gather_for_metrics(ctx, (b.float().unsqueeze(1).repeat(1, 3), b), loader=uneven) for b in uneven]
+    uneven = accel.shard_loader(
+        ctx, DataLoader(list(range(8 * ctx.world_size - 2)), batch_size=4), even_batches=False
+    )
+    pairs = [
+        accel.gather_for_metrics(ctx, (b.float().unsqueeze(1).repeat(1, 3), b), loader=uneven)
+        for b in uneven
+    ]
     res["tree"] = [(p.tolist(), y.tolist()) for p, y in pairs]
     # ranks disagreeing on a trailing dim get an error on every rank, not a hang
     try:
-        accel.gather_for_metrics(ctx, torch.zeros(2, 3 + ctx.rank), loader=accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2)))
+        accel.gather_for_metrics(
+            ctx,
+            torch.zeros(2, 3 + ctx.rank),
+            loader=accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2)),
+        )
     except RuntimeError as err:  # no batch yielded by that loader yet
         res["err_unstarted"] = str(err)
     loader = accel.shard_loader(ctx, DataLoader(list(range(40)), batch_size=2))
@@ -59,12 +74,16 @@ def _world(ctx: accel.RunContext, folder: str) -> dict[str, Any]:
         res["err_shape"] = str(err)
     res["after_error"] = accel.gather_for_metrics(ctx, batch, loader=loader).tolist()
     # evaluation in the middle of a training epoch does not disturb the training loader
-    train = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
+    train = accel.shard_loader(
+        ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11
+    )
     seen, evals = [], []
     for k, batch in enumerate(train):
         seen.append(batch.tolist())
         if k == 1:
-            evals = _evaluate(ctx, accel.shard_loader(ctx, DataLoader(list(range(7)), batch_size=3)))
+            evals = _evaluate(
+                ctx, accel.shard_loader(ctx, DataLoader(list(range(7)), batch_size=3))
+            )
     res["train"], res["mid_eval"] = seen, evals
     # interrupted run: three batches of epoch 1, then save the position
     train.set_epoch(1)
@@ -82,11 +101,17 @@ def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
     res: dict[str, Any] = {}
     # decoded text: every real sample's string once, the repeats of the last round dropped
     texts = accel.shard_loader(ctx, DataLoader(list(range(13)), batch_size=2))
-    res["objects"] = [s for b in texts for s in accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=texts)]
+    res["objects"] = [
+        s
+        for b in texts
+        for s in accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()], loader=texts)
+    ]
     # even_batches=False with fewer batches than ranks: a rank past its last batch takes part
     # with nothing in each round it lacks
     for kind in ("objects_sparse", "tensors_sparse"):
-        sparse = accel.shard_loader(ctx, DataLoader(list(range(3)), batch_size=2), even_batches=False)
+        sparse = accel.shard_loader(
+            ctx, DataLoader(list(range(3)), batch_size=2), even_batches=False
+        )
         rounds = max(accel.gather_object(ctx, len(sparse)))
         it, out = iter(sparse), []
         for _ in range(rounds):
@@ -94,7 +119,11 @@ def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
             if b is None:
                 got = accel.gather_for_metrics(ctx, [], loader=sparse)
             else:
-                got = accel.gather_for_metrics(ctx, [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10, loader=sparse)
+                got = accel.gather_for_metrics(
+                    ctx,
+                    [f"s{i}" for i in b.tolist()] if kind == "objects_sparse" else b * 10,
+                    loader=sparse,
+                )
             out += got if isinstance(got, list) else got.tolist()
         res[kind] = out
     # the no_trainer scripts' loss.repeat(batch_size) in an uneven round (Accelerate's rule:
@@ -111,26 +140,36 @@ def _objects_and_empty_ranks(ctx: accel.RunContext) -> dict[str, Any]:
 
 
 def _resume(ctx: accel.RunContext, folder: str) -> list[list[int]]:
-    train = accel.shard_loader(ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11)
+    train = accel.shard_loader(
+        ctx, DataLoader(list(range(30)), batch_size=2, shuffle=True), seed=11
+    )
     train.load_state_dict(json.loads(Path(folder, f"{ctx.rank}.json").read_text()))
     return [b.tolist() for b in train]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, list[Any]]:
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, str, list[Any]]:
     folder = str(tmp_path_factory.mktemp(f"data{request.param}"))
-    return request.param, folder, run_world(_world, world_size=request.param, timeout=180, args=(folder,))
+    return (
+        request.param,
+        folder,
+        run_world(_world, world_size=request.param, timeout=180, args=(folder,)),
+    )
 
 
 def test_every_sample_is_counted_once_in_order(world: tuple[int, str, list[Any]]) -> None:
-    n, _, results = world
+    _, _, results = world
     for res in results:  # every rank gets the same gathered values
         assert res["full"] == [10 * i for i in range(13)]
         assert res["iterable"] == [10 * i for i in range(13)]
         assert res["mid_eval"] == [10 * i for i in range(7)]
 
 
-def test_a_tree_of_two_dtypes_comes_back_whole_and_trimmed(world: tuple[int, str, list[Any]]) -> None:
+def test_a_tree_of_two_dtypes_comes_back_whole_and_trimmed(
+    world: tuple[int, str, list[Any]],
+) -> None:
     n, _, results = world
     for res in results:
         preds = [row for p, _ in res["tree"] for row in p]
@@ -141,7 +180,7 @@ def test_a_tree_of_two_dtypes_comes_back_whole_and_trimmed(world: tuple[int, str
 
 def test_ranks_disagreeing_on_shapes_raise_on_every_rank(world: tuple[int, str, list[Any]]) -> None:
     n, _, results = world
-    for rank, res in enumerate(results):
+    for res in results:
         assert "has not yielded a batch yet" in res["err_unstarted"]
         assert res["err_shape"].startswith("gather_for_metrics: the ranks passed different inputs")
         for k in range(n):
@@ -149,7 +188,9 @@ def test_ranks_disagreeing_on_shapes_raise_on_every_rank(world: tuple[int, str, 
         assert res["after_error"] == [2 * k + i for k in range(n) for i in range(2)]
 
 
-def test_python_objects_come_back_once_each_without_repeats(world: tuple[int, str, list[Any]]) -> None:
+def test_python_objects_come_back_once_each_without_repeats(
+    world: tuple[int, str, list[Any]],
+) -> None:
     _, _, results = world
     for res in results:
         assert res["objects"] == [f"s{i}" for i in range(13)]
@@ -173,7 +214,9 @@ def test_uneven_last_batches_are_padded_then_trimmed(world: tuple[int, str, list
     assert all(res["uneven"] == [10 * i for i in range(8 * n - 2)] for res in results)
 
 
-def test_training_shards_cover_the_data_with_equal_batch_counts(world: tuple[int, str, list[Any]]) -> None:
+def test_training_shards_cover_the_data_with_equal_batch_counts(
+    world: tuple[int, str, list[Any]],
+) -> None:
     n, _, results = world
     counts = {len(res["train"]) for res in results}
     assert counts == {-(-15 // n)}  # 15 batches of 2, the last round completed

@@ -60,7 +60,10 @@ def _compressed_grads(ctx: accel.RunContext, hooks: list[Any]) -> list[dict[str,
 
 def _bf16_refusal(ctx: accel.RunContext) -> list[str]:
     messages = []
-    for opts in (DDPOptions(comm_hook="bf16"), DDPOptions(comm_hook="powersgd", comm_wrapper="bf16")):
+    for opts in (
+        DDPOptions(comm_hook="bf16"),
+        DDPOptions(comm_hook="powersgd", comm_wrapper="bf16"),
+    ):
         try:
             accel.wrap_model(ctx, _mlp(), ddp=opts)
             messages.append("")
@@ -103,6 +106,7 @@ def test_bf16_hooks_off_cuda_are_refused_by_name() -> None:
     for messages in run_world(_bf16_refusal, world_size=2, timeout=120):
         assert "DDPOptions(comm_hook='bf16') needs torch built with CUDA" in messages[0]
         assert "DDPOptions(comm_wrapper='bf16') needs torch built with CUDA" in messages[1]
+
 
 # PowerSGD: least squares y = x @ W_true.T, realisable (minimum loss 0), W 32x32 so a rank-1
 # approximation compresses 32*32 / (32 + 32) = 16x (above the default min rate of 2).

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import accel
-from accel_cli import main
 from accel.testing import run_world
+from accel_cli import main
 from tests.dist.test_sharded_io_dist import TIMEOUT, _save_state_sharded
 from tests.models import Uneven
 

@@ -1,8 +1,8 @@
 """N-D parallelism at 4 gloo ranks equals the one-process full-batch reference.
 
-Each mesh shape trains the small Llama-style model of `tests/models.py` for a few optimizer steps with
-accumulation 2 and gradient clipping; the parent trains the same model on the whole global batch
-in one process. Parameters, losses and gradient norms must agree to float reduction order.
+Each mesh shape trains the small Llama-style model of `tests/models.py` for a few optimizer steps
+with accumulation 2 and gradient clipping; the parent trains the same model on the whole global
+batch in one process. Parameters, losses and gradient norms must agree to float reduction order.
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ def _data_over_dp(ctx: accel.RunContext) -> dict[str, Any]:
 
 def test_data_is_sharded_gathered_and_counted_over_the_data_parallel_ranks() -> None:
     results = run_world(_data_over_dp, world_size=4, parallelism=Parallelism(dp_shard=2, tp=2))
-    assert [r["batches"] for r in results] == [[[0, 1], [4, 5], [8, 9]]] * 2 + [[[2, 3], [6, 7], [0, 1]]] * 2
+    seen = [r["batches"] for r in results]
+    assert seen == [[[0, 1], [4, 5], [8, 9]]] * 2 + [[[2, 3], [6, 7], [0, 1]]] * 2
     for out in results:
         assert out["gathered"] == list(range(10))  # every sample once, repeats dropped
         assert out["num_items"] == 6  # 3 labels on each of the 2 data-parallel ranks
@@ -162,7 +163,9 @@ def _fp16_inf_skips_everywhere(ctx: accel.RunContext) -> dict[str, Any]:
     stepped, scales = [], []
     for step in range(2):
         with accel.autocast(ctx):
-            loss = lm_loss(model, tokens[step, ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank])
+            loss = lm_loss(
+                model, tokens[step, ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
+            )
         accel.scaled_backward(ctx, loss, scaler=scaler)
         if step == 1 and ctx.rank == 3:  # one rank's own shard of one gradient overflows
             grad = accel.unwrap_model(model).layers[1].feed_forward.w2.weight.grad
@@ -171,22 +174,30 @@ def _fp16_inf_skips_everywhere(ctx: accel.RunContext) -> dict[str, Any]:
         before = [full_param(q) for q in model.parameters()]
         accel.clip_grad_norm_(ctx, model, MAX_NORM, optimizer=opt, scaler=scaler)
         stepped.append(accel.optimizer_step(ctx, opt, scaler=scaler))
-        unchanged = all(torch.equal(a, full_param(q)) for a, q in zip(before, model.parameters(), strict=True))
+        unchanged = all(
+            torch.equal(a, full_param(q)) for a, q in zip(before, model.parameters(), strict=True)
+        )
         scales.append((scaler.get_scale() if scaler else 0.0, unchanged))
         opt.zero_grad()
     return {"stepped": stepped, "scales": scales}
 
 
-@pytest.mark.parametrize("parallelism", [Parallelism(dp_shard=2, tp=2), Parallelism(tp=4)], ids=["fsdp2xtp2", "tp4"])
+@pytest.mark.parametrize(
+    "parallelism", [Parallelism(dp_shard=2, tp=2), Parallelism(tp=4)], ids=["fsdp2xtp2", "tp4"]
+)
 def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(parallelism: Parallelism) -> None:
-    results = run_world(_fp16_inf_skips_everywhere, world_size=4, parallelism=parallelism, timeout=120)
+    results = run_world(
+        _fp16_inf_skips_everywhere, world_size=4, parallelism=parallelism, timeout=120
+    )
     for out in results:
         assert out["stepped"] == [True, False]
         (first, moved), (second, kept) = out["scales"]
         assert not moved and kept and second == first / 2
 
 
-def _steps(ctx: accel.RunContext, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+def _steps(
+    ctx: accel.RunContext, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range
+) -> None:
     data = batches(STEPS, GLOBAL_BATCH)
     per_rank = GLOBAL_BATCH // ctx.dp_size
     for step in steps:
@@ -200,7 +211,9 @@ def _nd_model(ctx: accel.RunContext) -> tuple[torch.nn.Module, torch.optim.Optim
     p = ctx.parallelism
     assert p is not None
     fsdp = FSDPOptions(layer_classes=(Block,)) if p.dp_shard > 1 else None
-    model = accel.wrap_model(ctx, make_model(seed=5), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp)
+    model = accel.wrap_model(
+        ctx, make_model(seed=5), tp_plan=TP_PLAN if p.tp > 1 else None, fsdp=fsdp
+    )
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
@@ -227,8 +240,12 @@ def _load_then_step(ctx: accel.RunContext, directory: str) -> dict[str, Any]:
 
 def test_a_checkpoint_saved_at_one_mesh_shape_resumes_at_another(tmp_path: Any) -> None:
     directory = str(tmp_path / "state")
-    saved = run_world(_save_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=2, tp=2))[0]
-    resumed = run_world(_load_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=4))
+    saved = run_world(
+        _save_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=2, tp=2)
+    )[0]
+    resumed = run_world(
+        _load_then_step, world_size=4, args=(directory,), parallelism=Parallelism(dp_shard=4)
+    )
     one = accel.RunContext.single(device="cpu")
     model = make_model(seed=7)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)

@@ -80,8 +80,12 @@ def _train(ctx: accel.RunContext, parallelism: Parallelism, schedule: str, wrap:
     own = accel.along(ctx, "pp").rank
     schedule = stages.schedule
     torch_stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    self_sends = [op for stage in torch_stages
-                  for op in stage._get_init_p2p_neighbors_ops() if op.group_peer == own]  # fmt: skip
+    self_sends = [
+        op
+        for stage in torch_stages
+        for op in stage._get_init_p2p_neighbors_ops()
+        if op.group_peer == own
+    ]
     optimizer = torch.optim.SGD(stages.parameters(), lr=LR, momentum=0.9)
     loader = DataLoader(data.flatten(0, 1), batch_size=GLOBAL_BATCH // ctx.dp_size)
     losses, norms, counts, seen = [], [], [], []
@@ -167,8 +171,9 @@ def test_every_mesh_and_schedule_trains_as_one_process_on_the_full_batch(
             names |= out["params"].keys()
             for name, value in out["params"].items():
                 want = expected["params"][name].detach()
-                torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name, c=case: f"{c} {n}: {m}")  # fmt: skip
+                torch.testing.assert_close(
+                    value, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, c=case: f"{c} {n}: {m}"
+                )
         assert names == expected["params"].keys(), case
     stage_ids = [per_rank[3]["stages"] for per_rank in results]  # zbv: the V shape
     assert stage_ids == [(0, 7), (1, 6), (2, 5), (3, 4)]

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import accel
-
 from tests.cli.test_cli import _env as cli_env
 from tests.dist.test_distributed_dist import _free_port
 from tests.processes import leftovers
@@ -104,14 +103,17 @@ def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subp
     # ENVIRONMENT VARIABLES"); accel derives the port from SLURM_JOB_ID, as in
     # tests/dist/test_distributed_dist.py.
     port = _free_port(15000 + os.getpid() % 4000, 20000)
+    env = _environment(out, tag)
+    env.update(SLURM_NTASKS="2", SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000))
     return [
         subprocess.Popen(
             [sys.executable, str(script), str(out), str(STEPS), save_signal],
-            env={**_environment(out, tag), "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
-                 "SLURM_NTASKS": "2", "SLURM_NODELIST": "localhost",
-                 "SLURM_JOB_ID": str(port - 15000)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out,
-        )  # fmt: skip
+            env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=out,
+        )
         for r in range(2)
     ]
 

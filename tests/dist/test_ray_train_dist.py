@@ -102,8 +102,8 @@ def train_loop(config: dict[str, Any]) -> None:
 def local_ray() -> Any:
     saved = dict(os.environ)
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parents[2])}})  # fmt: skip
+        env = {"env_vars": {"PYTHONPATH": str(Path(__file__).parents[2])}}
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=env)
         yield
     finally:
         ray.shutdown()
@@ -113,8 +113,11 @@ def local_ray() -> Any:
         os.environ.clear()
         os.environ.update(saved)
     # `ray stop` is not needed: ray.init started this cluster and ray.shutdown ends it
-    leftover = [pid for pid in leftovers(os.getpid())
-                if "ray" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]  # fmt: skip
+    leftover = [
+        pid
+        for pid in leftovers(os.getpid())
+        if "ray" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]
     assert leftover == [], "Ray left processes running"
 
 
@@ -127,7 +130,7 @@ def _fit(tmp: Path, name: str, fail_at: int) -> list[dict[str, Any]]:
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(
             name=name, storage_path=str(tmp / "ray"), failure_config=FailureConfig(max_failures=1)
-        ),  # fmt: skip
+        ),
     )
     trainer.fit()
     return [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(2)]

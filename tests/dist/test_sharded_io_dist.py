@@ -269,14 +269,14 @@ def _save_sharded(ctx: RunContext, root: str, kind: str) -> dict[str, torch.Tens
     return reference
 
 
-@pytest.mark.parametrize(
-    ("world_size", "kind"),
-    [
-        (1, "fsdp2"), (2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "tp-2d-read-back"), (4, "fsdp2xtp"),
-        (4, "fsdp2xtp-unshared"), (2, "fsdp2-short-writes"), (2, "fsdp2-unshared-short-writes"),
-        (2, "fsdp2-inline-crc"),
-    ],  # fmt: skip
-)
+SHARDED_SAVES = [
+    (1, "fsdp2"), (2, "fsdp2"), (4, "fsdp2"), (4, "tp-2d"), (4, "tp-2d-read-back"), (4, "fsdp2xtp"),
+    (4, "fsdp2xtp-unshared"), (2, "fsdp2-short-writes"), (2, "fsdp2-unshared-short-writes"),
+    (2, "fsdp2-inline-crc"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("world_size", "kind"), SHARDED_SAVES)
 def test_sharded_save_model_files_equal_the_unsharded_save(
     tmp_path: Path, world_size: int, kind: str
 ) -> None:
@@ -304,6 +304,7 @@ def _save_failing_on_one_rank(ctx: RunContext, root: str, failing: int, where: s
     model = _fsdp2(_tiny(seed=3))
     accel.save_model(ctx, model, root, max_shard_size=200)  # the save to keep
     if ctx.rank == failing:  # this rank's disk fills up
+
         def full(*args: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -28,7 +28,9 @@ LR = 0.1
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(GLOBAL_BATCH * STEPS, 4, generator=g), torch.randn(GLOBAL_BATCH * STEPS, 1, generator=g)
+    return torch.randn(GLOBAL_BATCH * STEPS, 4, generator=g), torch.randn(
+        GLOBAL_BATCH * STEPS, 1, generator=g
+    )
 
 
 def _mlp() -> nn.Module:
@@ -65,10 +67,17 @@ def _train(ctx: accel.RunContext, strategy: str, task: str, *, naive: bool = Fal
     for step in range(STEPS):
         start = step * GLOBAL_BATCH + ctx.rank * per_rank
         window = [
-            (x[start + m * micro : start + (m + 1) * micro], y[start + m * micro : start + (m + 1) * micro])
+            (
+                x[start + m * micro : start + (m + 1) * micro],
+                y[start + m * micro : start + (m + 1) * micro],
+            )
             for m in range(ctx.grad_accum_steps)
         ]
-        n_items = accel.num_items_in_batch(ctx, [yb for _, yb in window], shift=False) if task == "tokens" else 0
+        n_items = (
+            accel.num_items_in_batch(ctx, [yb for _, yb in window], shift=False)
+            if task == "tokens"
+            else 0
+        )
         for m, (xb, yb) in enumerate(window):
             with accel.accumulate(ctx, model, step * ctx.grad_accum_steps + m) as sync:
                 out = model(xb)
@@ -152,7 +161,10 @@ def _reference(task: str) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = _data() if task == "mse" else _tokens()
     for step in range(STEPS):
-        xb, yb = x[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], y[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        xb, yb = (
+            x[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH],
+            y[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH],
+        )
         out = model(xb)
         if task == "mse":
             loss = F.mse_loss(out, yb)
@@ -192,10 +204,15 @@ def test_ddp_and_fsdp2_agree(worlds: dict[int, dict[str, Any]], world_size: int)
         assert _close(results[f"tokens-ddp-{accum}"], results[f"tokens-fsdp2-{accum}"])
 
 
-def test_the_naive_per_batch_mean_differs_from_the_token_mean(worlds: dict[int, dict[str, Any]]) -> None:
+def test_the_naive_per_batch_mean_differs_from_the_token_mean(
+    worlds: dict[int, dict[str, Any]],
+) -> None:
     reference = _reference("tokens")
     differs = [
-        max((a - b).abs().max().item() for a, b in zip(worlds[n][f"naive-{accum}"], reference, strict=True))
+        max(
+            (a - b).abs().max().item()
+            for a, b in zip(worlds[n][f"naive-{accum}"], reference, strict=True)
+        )
         for n in (1, 2, 4)
         for accum in (1, 2, 4)
         if n * accum > 1  # with one micro-batch of the whole global batch the two are the same
@@ -226,4 +243,6 @@ def _optimizer_before_fsdp2(ctx: accel.RunContext) -> str:
 
 def test_an_optimizer_created_before_fsdp2_is_refused() -> None:
     messages = run_world(_optimizer_before_fsdp2, world_size=2, timeout=120)
-    assert all("created before wrap_model" in m and "after wrapping" in m for m in messages), messages
+    assert all("created before wrap_model" in m and "after wrapping" in m for m in messages), (
+        messages
+    )

@@ -142,7 +142,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_union_of_all_ranks_is_the_stream_exactly_once(
     world: Any, kind: str, num_workers: int
 ) -> None:
-    n, folder, results = world
+    _, folder, results = world
     total = {"gen": N, "shard": N, "datasets": sum(JSON_SIZES), "datasets_odd": sum(JSON_ODD)}
     total["datasets_presplit"] = total["datasets"]
     ranks = [r[kind, num_workers] for r in results]
@@ -158,7 +158,7 @@ def test_union_of_all_ranks_is_the_stream_exactly_once(
 
 
 def test_uneven_ends_pad_or_stop_together_without_a_hang(world: Any) -> None:
-    n, _, results = world
+    _, _, results = world
     sizes = results[0]["uneven_sizes"]
     assert sizes[-1] == 0  # the last rank's parts are empty: it borrows padding
     expected = sorted(i for k, size in enumerate(sizes) for i in range(k, 200, len(sizes))[:size])
@@ -231,7 +231,7 @@ def test_dispatch_sends_rank_r_batches_r_plus_k_world_size(world: Any, num_worke
 
 
 def test_split_batches_cuts_the_global_batch_size_per_rank(world: Any) -> None:
-    n, _, results = world
+    _, _, results = world
     ranks = [r["split_batches"] for r in results]
     assert {len(b) for r in ranks for b, _ in r["mine"]} <= {1, 2}  # 2 per rank, or the tail
     real = [i for r in ranks for b, pad in r["mine"] for i in b[: len(b) - pad]]

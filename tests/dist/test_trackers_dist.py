@@ -114,7 +114,7 @@ def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             config |= {item.key: json.loads(item.value_json) for item in items}
     assert history == _expected()
     assert {k: config[k] for k in CONFIG} == CONFIG
-    assert [r.run.project for r in records if r.WhichOneof("record_type") == "run"][0] == (
+    assert next(r.run.project for r in records if r.WhichOneof("record_type") == "run") == (
         "accel-test"
     )
 
