@@ -27,7 +27,7 @@ def engine_state(engine: Any) -> dict[str, torch.Tensor]:
 
     module = engine.module
     if not engine.zero_optimization_partition_weights():
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return _cpu_copies(module.state_dict())
     if not engine.zero_gather_16bit_weights_on_model_save():
         raise ValueError(
             "save_model: the DeepSpeed engine is ZeRO-3 and its config has "
@@ -35,7 +35,20 @@ def engine_state(engine: Any) -> dict[str, torch.Tensor]:
             "weights are not gathered for a save; set it to true in the DeepSpeed config."
         )
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return _cpu_copies(module.state_dict())
+
+
+def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy of each tensor, one per shared tensor: tied weights (GPT-2's embedding and
+    head) stay one tensor, which save_model writes once, as it does for a plain model."""
+    copies: dict[tuple[object, ...], torch.Tensor] = {}
+    out = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+        if key not in copies:
+            copies[key] = t.detach().cpu().clone()
+        out[name] = copies[key]
+    return out
 
 
 def engines_as_state(fn: str, objects: dict[str, Any]) -> dict[str, Any]:

@@ -140,6 +140,36 @@ def _check_save_model(ctx: accel.RunContext, engine: Any, folder: Path) -> None:
     accel.wait_for_everyone(ctx)
 
 
+class _Tied(nn.Module):
+    """An embedding and an output head that share one weight, as GPT-2's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+def _check_tied_save(ctx: accel.RunContext, stage: int, folder: Path) -> None:
+    """save_model of an engine whose module ties two weights writes the plain model's file:
+    the weight once, the tie in the metadata."""
+    model = _Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    options = accel.DeepSpeedOptions(
+        config=_ds_config(stage, False), optimizer=optimizer, micro_batch_size=MICRO
+    )
+    engine = accel.wrap_model(ctx, model, strategy="deepspeed", deepspeed=options)
+    accel.save_model(ctx, engine, folder / "engine")
+    if ctx.rank == 0:
+        accel.save_model(accel.RunContext.single(), _Tied(), folder / "plain")
+        plain = (folder / "plain" / "model.safetensors").read_bytes()
+        assert (folder / "engine" / "model.safetensors").read_bytes() == plain, stage
+    accel.wait_for_everyone(ctx)
+
+
 def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
     _launcher_env(ctx)
     ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
@@ -169,6 +199,8 @@ def _world(ctx: accel.RunContext, tmp: str) -> dict[str, Any]:
         if stage == 3:
             _check_save_model(c, engine, Path(tmp) / name)
             engine.save_checkpoint(str(Path(tmp) / name / "zero"))  # for merge-weights
+    for stage in (1, 3):
+        _check_tied_save(ctx, stage, Path(tmp) / f"tied-zero{stage}")
     return out
 
 
