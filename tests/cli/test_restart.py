@@ -4,12 +4,14 @@ machine, and on two machines (two launchers on the loopback, c10d rendezvous, is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,23 @@ def test_without_restarts_the_crash_fails_the_launch(tmp_path: Path) -> None:
     assert run.returncode != 0
 
 
+@contextlib.contextmanager
+def _machines(
+    tmp: Path, command: list[str], common: list[str]
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """Two launchers as two machines on the loopback (`command` ends with the flag that takes
+    the machine's rank); whatever is left of them is killed on the way out."""
+    options = {"env": _env(tmp), "cwd": tmp, "text": True, "stdout": subprocess.PIPE}
+    argv = [[sys.executable, "-m", *command, str(rank), *common] for rank in (0, 1)]
+    launches = [subprocess.Popen(a, stderr=subprocess.PIPE, **options) for a in argv]
+    try:
+        yield launches
+    finally:
+        for launch in launches:
+            launch.kill()
+            launch.communicate()
+
+
 def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
     """Two `accel launch` processes as two machines on the loopback (c10d, one restart)."""
     port = _free_port()
@@ -97,18 +116,7 @@ def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--max_restarts", "1",
         "--monitor_interval", "0.2", str(script), str(out), str(kill_at), "wait",
     ]  # fmt: skip
-    launches = [
-        subprocess.Popen(
-            [sys.executable, "-m", "accel", "launch", "--machine_rank", str(rank), *common],
-            env=_env(tmp),
-            cwd=tmp,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in (0, 1)
-    ]
-    try:
+    with _machines(tmp, ["accel", "launch", "--machine_rank"], common) as launches:
         deadline = time.monotonic() + 180
         while kill_at and not (out / "victim.pid").exists():
             assert time.monotonic() < deadline, "rank 1 never reached the step to be killed at"
@@ -117,11 +125,7 @@ def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
         if kill_at:
             (out / "died").touch()  # the restarted workers must not wait again
             os.kill(int((out / "victim.pid").read_text()), signal.SIGKILL)
-        logs = [launch.communicate(timeout=120)[0] for launch in launches]
-    finally:
-        for launch in launches:
-            launch.kill()
-            launch.communicate()
+        logs = ["".join(launch.communicate(timeout=120)) for launch in launches]
     for launch, log in zip(launches, logs, strict=True):
         assert launch.returncode == 0, log
 
@@ -160,23 +164,8 @@ def test_plain_torchrun_on_two_machines_with_restarts_and_its_shared_store_warns
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", str(script),
     ]  # fmt: skip
-    launches = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--node-rank", str(rank), *common],
-            env=_env(tmp_path),
-            cwd=tmp_path,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in (0, 1)
-    ]
-    try:
+    with _machines(tmp_path, ["torch.distributed.run", "--node-rank"], common) as launches:
         errs = [launch.communicate(timeout=120)[1] for launch in launches]
-    finally:
-        for launch in launches:
-            launch.kill()
-            launch.communicate()
     assert [launch.returncode for launch in launches] == [0, 0], errs
     assert "UserWarning: init_distributed: torchrun restarts workers (--max-restarts 1) on 2 " \
         "machines with one store shared for the whole job" in errs[0]  # fmt: skip
