@@ -130,6 +130,10 @@ def _two_machines(tmp: Path, script: Path, out: Path, kill_at: int) -> None:
         assert launch.returncode == 0, log
 
 
+def _params(out: Path) -> list[object]:
+    return list(json.loads((out / "result.json").read_text())["params"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_killed_on_one_of_two_machines_restarts_both_and_resumes_exactly(
@@ -145,10 +149,17 @@ def test_a_worker_killed_on_one_of_two_machines_restarts_both_and_resumes_exactl
         out = tmp_path / name
         out.mkdir()
         _two_machines(tmp_path, script, out, kill_at)
-        params[name] = json.loads((out / "result.json").read_text())["params"]
+        params[name] = _params(out)
+    one_machine = tmp_path / "one-machine"  # the same 2 ranks on one machine, uninterrupted
+    one_machine.mkdir()
+    run = accel_cli(
+        tmp_path, "launch", "--num_processes", "2", str(script), str(one_machine), "0", "exit"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
     attempts = [(tmp_path / "killed" / f"attempts-{r}.txt").read_text().split("\n") for r in (0, 1)]
     assert attempts == [["0 0", "0 0", ""], ["0 1", "1 1", ""]]
     assert params["killed"] == params["uninterrupted"]  # bit for bit
+    assert params["uninterrupted"] == _params(one_machine)
     assert leftovers(os.getpid()) == []
 
 
