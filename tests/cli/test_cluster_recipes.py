@@ -26,8 +26,10 @@ FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
 for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit 1; done
 """
+# `scontrol show hostnames node[07-08]`, its lines written apart as a long list's are: a reader
+# that stops after the first line ends the pipe under scontrol (SIGPIPE)
 FAKE_SCONTROL = """#!/bin/bash
-echo node07; echo node08  # `scontrol show hostnames node[07-08]`
+echo node07; sleep 0.2; echo node08
 """
 FAKE_ACCEL = """#!/usr/bin/env python3
 import json, os, sys
