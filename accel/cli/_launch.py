@@ -73,6 +73,20 @@ def resolve_config(args: argparse.Namespace) -> _config.Config:
     return _config.parse_config(merged, origin="accel launch")
 
 
+def _check_shutdown_timeout(seconds: int) -> int:
+    """The grace period, where this torch's torchrun takes one (torch 2.12 added it)."""
+    import torch
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        raise ValueError(
+            f"shutdown_timeout={seconds} needs torch 2.12 or newer, whose torchrun takes a grace "
+            f"period; torch {torch.__version__}'s waits 30 s. Upgrade torch, or drop "
+            "--shutdown_timeout (shutdown_timeout in the config)."
+        )
+    return seconds
+
+
 def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]:
     """Translate a launch config into torchrun's command line."""
     machines, total = config.num_machines, config.num_processes
@@ -86,6 +100,8 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
         "--max-restarts", str(config.max_restarts),
         "--monitor-interval", str(config.monitor_interval),
     ]  # fmt: skip
+    if config.shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(_check_shutdown_timeout(config.shutdown_timeout))]
     port = config.main_process_port
     c10d = config.rdzv_backend == "c10d" if machines > 1 else config.max_restarts > 0
     if config.rdzv_conf and not c10d:

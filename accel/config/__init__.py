@@ -74,6 +74,8 @@ class Config:
     """How often the elastic agent restarts failed workers."""
     monitor_interval: float = 0.1
     """Seconds between the agent's checks on its workers."""
+    shutdown_timeout: int | None = None
+    """Seconds torchrun's agent waits for its workers after a stop signal; None: torchrun's 30."""
     num_cpu_threads_per_process: int | None = None
     """OMP/torch threads per process; None lets torchrun decide."""
     fsdp_config: Section = ()

@@ -76,6 +76,9 @@ SECTION = Section(
                 help="how often the elastic agent restarts failed workers"),
         Setting(key="monitor_interval", kind="float", default=0.1, group=DISTRIBUTED,
                 help="seconds between the agent's checks on its workers"),
+        Setting(key="shutdown_timeout", kind="optional_index", group=DISTRIBUTED,
+                help="seconds the agent waits for its workers after passing on a stop signal, "
+                     "then SIGKILL (torchrun's 30 by default; torch 2.12 or newer)"),
         Setting(key="num_cpu_threads_per_process", kind="optional_count", group=RESOURCES,
                 env="OMP_NUM_THREADS", help="OMP/torch threads per process"),
         Setting(key="log_with", kind="names", default=(), field="log_with", env="ACCEL_LOG_WITH",
