@@ -8,11 +8,13 @@ warning about transformers' Trainer and accumulation shows only for a script tha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +23,42 @@ from accel.cli._script import uses_trainer
 from tests.cli.test_cli import _env, accel_cli
 from tests.processes import alive, descendants
 
-SLEEPER = """
+# The last lines of a script that `started_launch` waits for: each rank says it is ready.
+READY = """
+sys.stdout.write(f"ready {ctx.rank}\\n")  # one write: both ranks share the launcher's pipe
+sys.stdout.flush()
+time.sleep(120)
+"""
+SLEEPER = (
+    """
 import sys
 import time
 import accel
 
 ctx = accel.init_distributed()
-sys.stdout.write(f"ready {ctx.rank}\\n")  # one write: both ranks share the launcher's pipe
-sys.stdout.flush()
-time.sleep(120)
 """
+    + READY
+)
+
+
+@contextlib.contextmanager
+def started_launch(tmp: Path, script: Path, *flags: str) -> Iterator[subprocess.Popen[str]]:
+    """`accel launch --num_processes 2 *flags script`, in a session of its own (a terminal's
+    foreground job), once both ranks said they are ready; its group is killed on the way out."""
+    argv = [sys.executable, "-m", "accel", "launch", "--num_processes", "2", *flags, str(script)]
+    launch = subprocess.Popen(
+        argv, env=_env(tmp), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert launch.stdout is not None
+        ready = [launch.stdout.readline() for _ in range(2)]
+        assert sorted(ready) == ["ready 0\n", "ready 1\n"], ready
+        yield launch
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+        launch.communicate()
 
 
 @pytest.mark.slow
@@ -38,23 +66,11 @@ time.sleep(120)
 def test_ctrl_c_during_a_two_process_launch_prints_one_line_and_exits_130(tmp_path: Path) -> None:
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
-        env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,  # its own group, as a terminal's foreground job
-    )  # fmt: skip
-    try:
-        assert launch.stdout is not None
-        ready = [launch.stdout.readline() for _ in range(2)]
-        assert sorted(ready) == ["ready 0\n", "ready 1\n"], ready
+    with started_launch(tmp_path, script) as launch:
         workers = descendants(launch.pid)
         assert len(workers) >= 2, workers
         os.killpg(launch.pid, signal.SIGINT)  # what Ctrl-C does
         out, err = launch.communicate(timeout=120)
-    finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.wait()
     assert launch.returncode == 130, err
     # torchrun's banner about OMP_NUM_THREADS comes at the start, before any worker runs
     after_start = [line for line in err.splitlines() if "torch/distributed/run.py" not in line]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +14,11 @@ import pytest
 
 from accel.cli import _launch
 from accel.config import Config, parse_config
-from tests.cli.test_cli import _env
+from tests.cli.test_launch_output import READY, started_launch
 from tests.processes import alive, descendants
 
-SLOW_SAVE = """
+SLOW_SAVE = (
+    """
 import signal, sys, time
 import accel
 
@@ -32,10 +31,9 @@ def save_and_exit(*_):  # a save that takes longer than the grace period
 
 
 signal.signal(signal.SIGTERM, save_and_exit)
-sys.stdout.write(f"ready {ctx.rank}\\n")  # one write: both ranks share the launcher's pipe
-sys.stdout.flush()
-time.sleep(120)
 """
+    + READY
+)
 
 
 def test_the_grace_period_reaches_torchrun_and_is_checked() -> None:
@@ -52,25 +50,12 @@ def test_the_grace_period_reaches_torchrun_and_is_checked() -> None:
 def test_workers_still_saving_when_the_grace_period_ends_are_killed(tmp_path: Path) -> None:
     script = tmp_path / "slow_save.py"
     script.write_text(SLOW_SAVE)
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "accel", "launch", "--num_processes", "2",
-         "--shutdown_timeout", "2", str(script)],
-        env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert launch.stdout is not None
-        ready = [launch.stdout.readline() for _ in range(2)]
-        assert sorted(ready) == ["ready 0\n", "ready 1\n"], ready
+    with started_launch(tmp_path, script, "--shutdown_timeout", "2") as launch:
         workers = descendants(launch.pid)
         start = time.monotonic()
         os.kill(launch.pid, signal.SIGTERM)  # the scheduler's stop, to the launcher only
         _, err = launch.communicate(timeout=120)
         waited = time.monotonic() - start
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
     assert launch.returncode == 128 + signal.SIGTERM, err
     # the agent passed SIGTERM on, waited 2 s, then killed the saves (30 s each) with SIGKILL
     assert "SIGTERM received; the workers did not all exit 0" in err, err
