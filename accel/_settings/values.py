@@ -290,13 +290,21 @@ def allow(key: str, value: Any, allowed: tuple[Any, ...], why: str) -> None:
         refuse(key, value, why)
 
 
-def known(section: str, pairs: Section, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The section's values as a dict, refusing a key the table does not declare."""
-    values = dict(pairs)
+def known(config: Any, section: Any, strategy: tuple[str, str] | None = None) -> dict[str, Any]:
+    """`section`'s values in `config` as a dict, refusing a key the table does not declare; for
+    a strategy's section, `strategy` (its distributed_type, its flag) refuses values given to a
+    run of another type."""
+    keys = tuple(s.key for s in section.settings if s.key is not None)
+    values = dict(getattr(config, section.name))
     for key in values:
         if key not in keys:
             raise ValueError(
-                f"config: {section} has unknown key {key!r}; accel knows {sorted(keys)}. "
+                f"config: {section.name} has unknown key {key!r}; accel knows {sorted(keys)}. "
                 "Remove it, or rename it to one of those."
             )
+    if strategy is not None and values and config.distributed_type != strategy[0]:
+        raise ValueError(
+            f"config: {section.name} is given but distributed_type={config.distributed_type!r}; "
+            f"set distributed_type: {strategy[0]} (or {strategy[1]}), or remove {section.name}."
+        )
     return values

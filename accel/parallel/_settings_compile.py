@@ -20,8 +20,7 @@ def _dynamo(key: str, help: str, **more: Any) -> Setting:
 def _build(config: Any) -> dict[str, Any]:
     from accel._settings.values import allow, known, parse, refuse  # on use
 
-    keys = tuple(s.key for s in SECTION.settings if s.key is not None)
-    values = known("dynamo_config", config.dynamo_config, keys)
+    values = known(config, SECTION)
     backend = str(values.get("dynamo_backend", "NO")).upper()
     if backend == "NO":
         return {}

@@ -28,13 +28,7 @@ def _build(config: Any) -> dict[str, Any]:
         parse,
     )
 
-    keys = tuple(s.key for s in SECTION.settings if s.key is not None)
-    values = known("deepspeed_config", config.deepspeed_config, keys)
-    if values and config.distributed_type != "DEEPSPEED":
-        raise ValueError(
-            f"config: deepspeed_config is given but distributed_type={config.distributed_type!r}"
-            "; set distributed_type: DEEPSPEED (or --use_deepspeed), or remove deepspeed_config."
-        )
+    values = known(config, SECTION, ("DEEPSPEED", "--use_deepspeed"))
     if config.distributed_type != "DEEPSPEED":
         return {}
     found: dict[str, Any] = {"deepspeed": tuple(sorted(values.items()))}

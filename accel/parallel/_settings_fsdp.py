@@ -53,13 +53,7 @@ def _build(config: Any) -> dict[str, Any]:
     from accel._options import FSDPOptions  # on use
     from accel._settings.values import allow, known, parse  # on use
 
-    keys = tuple(s.key for s in SECTION.settings if s.key is not None)
-    values = known("fsdp_config", config.fsdp_config, keys)
-    if values and config.distributed_type != "FSDP":
-        raise ValueError(
-            f"config: fsdp_config is given but distributed_type={config.distributed_type!r}; "
-            "set distributed_type: FSDP (or --use_fsdp) to shard, or remove fsdp_config."
-        )
+    values = known(config, SECTION, ("FSDP", "--use_fsdp"))
     if not values:
         return {}
     options: dict[str, Any] = {}

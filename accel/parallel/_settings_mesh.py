@@ -22,8 +22,7 @@ def _build(config: Any) -> dict[str, Any]:
     from accel._parallelism import Parallelism  # on use
     from accel._settings.values import allow, known, parse  # on use
 
-    keys = tuple(s.key for s in SECTION.settings if s.key is not None)
-    values = known("parallelism_config", config.parallelism_config, keys)
+    values = known(config, SECTION)
     strategy = values.pop("parallelism_config_cp_comm_strategy", "allgather")
     allow("parallelism_config_cp_comm_strategy", strategy, ("allgather",),
           "torch's context_parallel rotates by all-gather here")  # fmt: skip
