@@ -31,13 +31,18 @@ UNSUPPORTED_TYPES = MappingProxyType(
 )
 
 
+def _written(value: Any, kind: type[int] | type[float]) -> Any:
+    """`value`, or the number a string writes (a flag, a variable); None for other strings."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        return None
+
+
 def _integer(fn: str, key: str, value: Any, minimum: int, *, fill: bool = False) -> int:
-    number = value
-    if isinstance(value, str):
-        try:
-            number = int(value)
-        except ValueError:
-            number = None
+    number = _written(value, int)
     ok = isinstance(number, int) and not isinstance(number, bool)
     if not ok or (number < minimum and not (fill and number == -1)):
         allowed = f">= {minimum}" + (" or -1 (fill)" if fill else "")
@@ -69,12 +74,7 @@ def _text(fn: str, key: str, value: Any) -> str | None:
 
 
 def _float(fn: str, key: str, value: Any) -> float:
-    number = value
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
+    number = _written(value, float)
     if (
         isinstance(number, bool)
         or not isinstance(number, (int, float))
