@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from accel._deepspeed_flags import WINDOW_OPEN
+from accel.checkpoint._model_io import storage_view
 from accel.parallel.deepspeed import deepspeed_engine
 
 
@@ -44,7 +45,7 @@ def _cpu_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     copies: dict[tuple[object, ...], torch.Tensor] = {}
     out = {}
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+        key = storage_view(t)
         if key not in copies:
             copies[key] = t.detach().cpu().clone()
         out[name] = copies[key]

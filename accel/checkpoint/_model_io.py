@@ -24,6 +24,14 @@ from accel.checkpoint import _atomic
 from accel.checkpoint._safetensors_io import write_file
 
 
+def storage_view(t: torch.Tensor) -> tuple[object, ...]:
+    """What makes two tensors one: the same bytes of the same storage, seen the same way."""
+    return (
+        t.untyped_storage().data_ptr(), t.device, t.storage_offset(), t.dtype, tuple(t.shape),
+        t.stride(),
+    )  # fmt: skip
+
+
 def dedupe_tied(
     state: Mapping[str, torch.Tensor], *, allow_meta: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -44,10 +52,7 @@ def dedupe_tied(
         elif is_dtensor(t):  # a sharded parameter: tied parameters are the same object
             key = ("dtensor", id(t))
         else:
-            key = (
-                t.untyped_storage().data_ptr(), t.device, t.storage_offset(), t.dtype,
-                tuple(t.shape), t.stride(),
-            )  # fmt: skip
+            key = storage_view(t)
         if t.numel() > 0 and key in kept:
             aliases[name] = kept[key]
         else:
