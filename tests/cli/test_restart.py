@@ -64,18 +64,24 @@ accel.shutdown(ctx)
 """
 
 
+def _one_machine(tmp: Path, script: Path, out: Path, die_at: int, *flags: str) -> None:
+    """`accel launch --num_processes 2 *flags` of SCRIPT into `out`, which must succeed."""
+    out.mkdir()
+    run = accel_cli(
+        tmp, "launch", "--num_processes", "2", *flags, str(script), str(out), str(die_at), "exit"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_a_rank_that_dies_once_is_restarted_and_resumes(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     results = {}
     for name, die_at in (("uninterrupted", 0), ("crashed", 3)):
         out = tmp_path / name
-        out.mkdir()
-        run = accel_cli(
-            tmp_path, "launch", "--num_processes", "2", "--max_restarts", "1",
-            "--monitor_interval", "0.2", str(script), str(out), str(die_at), "exit",
-        )  # fmt: skip
-        assert run.returncode == 0, run.stdout + run.stderr
+        _one_machine(
+            tmp_path, script, out, die_at, "--max_restarts", "1", "--monitor_interval", "0.2"
+        )
         results[name] = json.loads((out / "result.json").read_text())
     assert results["uninterrupted"]["attempt"] == 0
     assert results["crashed"]["attempt"] == 1  # the agent restarted the workers once
@@ -151,11 +157,7 @@ def test_a_worker_killed_on_one_of_two_machines_restarts_both_and_resumes_exactl
         _two_machines(tmp_path, script, out, kill_at)
         params[name] = _params(out)
     one_machine = tmp_path / "one-machine"  # the same 2 ranks on one machine, uninterrupted
-    one_machine.mkdir()
-    run = accel_cli(
-        tmp_path, "launch", "--num_processes", "2", str(script), str(one_machine), "0", "exit"
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    _one_machine(tmp_path, script, one_machine, 0)
     attempts = [(tmp_path / "killed" / f"attempts-{r}.txt").read_text().split("\n") for r in (0, 1)]
     assert attempts == [["0 0", "0 0", ""], ["0 1", "1 1", ""]]
     assert params["killed"] == params["uninterrupted"]  # bit for bit
