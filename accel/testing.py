@@ -67,10 +67,10 @@ def run_world(
     The processes start as spawned ones do (fresh modules, `fn` and `args` pickled, the
     caller's environment variables), but from a forkserver that has imported torch, the
     torch._dynamo that DDP and FSDP import, and accel once, so a world starts in milliseconds
-    rather than seconds of imports per rank. `fn` must
-    be importable (defined at module top level). Each rank's `ctx` is a CPU `RunContext` whose
-    collectives time out after `timeout` seconds. Called inside `device_canary()`, every rank
-    runs `fn` under the canary too, with the canary's device as `ctx.device`.
+    rather than seconds of imports per rank. `fn` must be importable (defined at module top
+    level). Each rank's `ctx` is a CPU `RunContext` whose collectives time out after `timeout`
+    seconds. Called inside `device_canary()`, every rank runs `fn` under the canary too, with
+    the canary's device as `ctx.device`.
 
     Args:
         fn: the function to run on every rank.
