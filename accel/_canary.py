@@ -12,11 +12,16 @@ records where each tensor's memory lives:
   with `device="cpu"`, moved with `.cpu()` / `.to("cpu")`, or computed from host tensors only.
 
 An op that mixes the two (a host tensor that is not a 0-dim scalar, which CUDA kernels accept)
-raises the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device. The
+raises the RuntimeError CUDA raises, as does `.numpy()` of a tensor on the run's device. Where
+accel picked the backend for the run's device (`init_distributed` and `run_world` with none
+named), the process group stands for NCCL, a GPU run's backend: a collective given a host tensor
+raises what NCCL raises (gloo, underneath, takes either; NCCL takes tensors on the GPU only,
+scalars included). A group the script made itself, with the backend it named, keeps its rules. The
 record is kept per storage (weakly), so views, `nn.Parameter`s and `.data` share their tensor's
 place. Tensors made where the mode cannot see (before it started, in other processes, by
-autograd) are unknown until an op places them, and never raise. torch.distributed's own code
-(FSDP2, DTensor) names the mesh's device type, "cpu", for the run's device: there it is read so.
+autograd) are unknown until an op places them, and never raise. The engines' own code (FSDP2 and
+DTensor in torch.distributed, DeepSpeed) names the device it was given, "cpu" on a CPU, for the
+run's device: there it is read so.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CANARY_DEVICE", "DeviceCanary", "canary_device"]
+__all__ = ["CANARY_DEVICE", "DeviceCanary", "canary_device", "stand_for_nccl"]
 
 # The run's device under the canary. Index 0 makes it differ from the host's torch.device("cpu")
 # (a tensor made on it is a CPU tensor; its `.device` reads cpu:0 under the canary).
@@ -49,8 +55,11 @@ _MOVES_ALLOWED = frozenset(
     }
 )
 _OWN_FILES = frozenset({__file__, torch.overrides.__file__})
+_MODULE_FILE = torch.nn.modules.module.__file__
 _INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
 _TO_NUMPY: tuple[Any, ...] = (torch.Tensor.numpy, torch.Tensor.__array__)
+# The dispatcher's namespaces of torch.distributed's collectives (process groups; DTensor's).
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional"})
 
 
 def canary_device() -> torch.device | None:
@@ -73,6 +82,23 @@ def canary_device() -> torch.device | None:
     return None
 
 
+def stand_for_nccl() -> None:
+    """From here on, the active canary's collectives follow NCCL's rule (see the module's doc).
+
+    `init_distributed` calls it when it picks the backend for the canary's device, as it would
+    pick NCCL for a GPU; outside a canary it does nothing.
+
+    Example:
+        >>> with DeviceCanary() as canary:
+        ...     stand_for_nccl()
+        ...     canary.nccl
+        True
+    """
+    for mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+        if isinstance(mode, DeviceCanary):
+            mode.nccl = True
+
+
 def _place_of(device: Any) -> Place | None:
     """Where a `device=` argument puts a new tensor (None: not a CPU place the canary tracks)."""
     if device is None:
@@ -85,22 +111,30 @@ def _place_of(device: Any) -> Place | None:
 
 
 def _named_place(device: Any) -> Place | None:
-    """`_place_of` for a device the code named, read as torch.distributed means it.
+    """`_place_of` for a device the code named, read as the engines mean it.
 
     FSDP2 and DTensor name the mesh's device type ("cpu" on a gloo mesh) for the shards they
-    move and the buffers they all-gather into; that is the run's device, as their "cuda:N" is
-    on a GPU. Only calls made from torch.distributed's own code are read this way.
+    move and the buffers they all-gather into, and DeepSpeed its accelerator's device ("cpu" on
+    a CPU) for the module and the buffers it makes; that is the run's device, as their "cuda:N"
+    is on a GPU. Only calls made from those engines' own code are read this way.
     """
     where = _place_of(device)
-    return "device" if where == "host" and _called_from_torch_distributed() else where
+    return "device" if where == "host" and _called_from_an_engine() else where
 
 
-def _called_from_torch_distributed() -> bool:
+# The packages whose code names the run's device "cpu" under the canary (see _named_place).
+_ENGINES = ("torch.distributed.", "deepspeed.")
+
+
+def _called_from_an_engine() -> bool:
     frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
+    # nn.Module.to passes its caller's device on: the caller named it
+    while frame is not None and (
+        frame.f_code.co_filename in _OWN_FILES or frame.f_code.co_filename == _MODULE_FILE
+    ):
         frame = frame.f_back
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return bool(module.startswith("torch.distributed."))
+    return bool(module.startswith(_ENGINES))
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -131,9 +165,21 @@ class DeviceCanary(TorchFunctionMode):
     Use it through `accel.testing.device_canary()`; see this module's docstring for the rules.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, nccl: bool = False) -> None:
         super().__init__()
+        self.nccl = nccl  # collectives refuse host tensors, as NCCL does
         self._places: weakref.WeakKeyDictionary[Any, Place] = weakref.WeakKeyDictionary()
+        self._collectives = _NcclRule(self)
+
+    def __enter__(self) -> DeviceCanary:
+        self._collectives.__enter__()  # type: ignore[no-untyped-call]
+        return super().__enter__()  # type: ignore[no-any-return, no-untyped-call]
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._collectives.__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def place(self, t: torch.Tensor) -> Place | None:
         """Where `t` lives: "device", "host" or None (unknown to the canary)."""
@@ -155,8 +201,8 @@ class DeviceCanary(TorchFunctionMode):
         kwargs = kwargs or {}
         descriptor, name = getattr(func, "__self__", None), getattr(func, "__name__", "")
         if name == "__get__" and descriptor is torch.Tensor.device:
-            # torch.distributed compares with the mesh's device, "cpu" (see _named_place)
-            on_device = self.place(args[0]) == "device" and not _called_from_torch_distributed()
+            # the engines compare with the device they were given, "cpu" (see _named_place)
+            on_device = self.place(args[0]) == "device" and not _called_from_an_engine()
             return CANARY_DEVICE if on_device else func(*args)
         if name == "__set__":  # `param.data = t` moves the storage with it; `.grad = t` too
             return func(*args, **kwargs)
@@ -233,3 +279,39 @@ class DeviceCanary(TorchFunctionMode):
             out = out.clone()  # a move between devices copies, as it does on a GPU
         self._mark(out, where if where is not None else here, force=where is not None)
         return out
+
+
+class _NcclRule(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The canary's rule for collectives: every tensor a collective takes is on the run's device.
+
+    Collectives reach the dispatcher as `c10d` ops whichever way they were called
+    (torch.distributed's functions, a process group's methods, DTensor), so the rule is checked
+    there, on the tensors the caller passed. Tensors of unknown place (made in C++, as a
+    barrier's) pass.
+    """
+
+    def __init__(self, canary: DeviceCanary) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._canary = canary
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._canary.nccl and func.namespace in _COLLECTIVES:
+            on_host = [t for t in _tensors((args, kwargs)) if self._canary.place(t) == "host"]
+            if on_host:
+                shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
+                raise RuntimeError(
+                    f"device canary: the collective {func} got a tensor on the host (shape "
+                    f"{shapes}: made without a device, or moved with .cpu()); on a GPU, NCCL "
+                    'fails with "No backend type associated with device type cpu". Create the '
+                    "tensor with device=ctx.device, or move it with .to(ctx.device), before the "
+                    "collective."
+                )
+        with torch._C.DisableTorchFunction():  # the op was placed by the canary's caller
+            return func(*args, **kwargs)

@@ -46,8 +46,12 @@ def require_group(ctx: RunContext, fn: str) -> Any:
 
 
 def comm_device(ctx: RunContext) -> torch.device:
-    """The device small bookkeeping tensors must live on for this backend."""
-    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    """The device a collective's own small tensors live on: the run's device on NCCL (which
+    takes tensors on the GPU only) and on a CPU run (the device canary's included); the host
+    for gloo on a GPU."""
+    if ctx.backend == "nccl" or ctx.device.type == "cpu":
+        return ctx.device
+    return torch.device("cpu")
 
 
 def global_rank(ctx: RunContext, group_rank: int) -> int:
@@ -64,6 +68,8 @@ def named_collective(ctx: RunContext, fn: str) -> Iterator[None]:
         yield
     except RuntimeError as err:  # DistBackendError and gloo/nccl timeouts subclass RuntimeError
         text = str(err)
+        if text.startswith("device canary:"):  # a tensor NCCL would refuse, not a peer's fault
+            raise RuntimeError(f"{fn}: {text}") from err
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         what = f"timed out after {ctx.timeout}" if timed_out else "failed"
         raise RuntimeError(

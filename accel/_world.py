@@ -90,7 +90,7 @@ def _worker(
         sources={"process_group": "accel.testing.run_world"},
     )  # fmt: skip
     try:
-        with DeviceCanary() if canary else contextlib.nullcontext():
+        with DeviceCanary(nccl=True) if canary else contextlib.nullcontext():
             result = _call(call, ctx, rank, parallelism)
     except BaseException:
         # Recorded before the group goes down (which makes the other ranks fail too), so the

@@ -56,7 +56,8 @@ def gather(ctx: RunContext, tree: TensorTree) -> TensorTree:
 
     Returns:
         The same structure, each tensor replaced by the concatenation of every rank's along
-        dim 0 (rank 0's first).
+        dim 0 (rank 0's first), on the device the tensor was on (a host tensor travels through
+        the run's device on NCCL, which takes nothing else, and comes back to the host).
 
     Raises:
         TypeError: for a leaf that is not a tensor (with `world_size > 1`).
@@ -91,11 +92,17 @@ def gather_leaves(
     out = []
     with named_collective(ctx, fn):
         for t in leaves:
-            t = t.reshape(1) if t.dim() == 0 else t.contiguous()
-            result = t.new_empty((ctx.world_size * t.shape[0], *t.shape[1:]))
-            all_gather_single(result, t, group=group)
-            out.append(result)
+            sent = _sendable(ctx, t.reshape(1) if t.dim() == 0 else t.contiguous())
+            result = sent.new_empty((ctx.world_size * sent.shape[0], *sent.shape[1:]))
+            all_gather_single(result, sent, group=group)
+            out.append(result.to(t.device))
     return out
+
+
+def _sendable(ctx: RunContext, t: torch.Tensor) -> torch.Tensor:
+    """`t` where the backend takes it: NCCL takes tensors on the GPU only, so a tensor on the
+    host travels through the run's device (and its result comes back to the host)."""
+    return t.to(comm_device(ctx))
 
 
 def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> TensorTree:
@@ -110,8 +117,8 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
         op: "sum", "mean", "max" or "min"; default "mean".
 
     Returns:
-        The same structure holding the reduced tensors (new tensors; on one process, `tree`
-        itself).
+        The same structure holding the reduced tensors (new tensors, each on its input's
+        device, as `gather`'s are; on one process, `tree` itself).
 
     Raises:
         ValueError: for an unknown `op`, or ranks that pass different shapes or dtypes.
@@ -155,11 +162,12 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     out = []
     with named_collective(ctx, "reduce"):
         for t in leaves:
-            result = t.clone()
+            result = _sendable(ctx, t)
+            result = result.clone() if result is t else result
             dist.all_reduce(result, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group)
             if op == "mean":
                 result /= ctx.world_size
-            out.append(result)
+            out.append(result.to(t.device))
     return unflatten(treedef, out)
 
 
@@ -175,7 +183,8 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
         src: the rank (of `ctx.process_group`) whose tensors are sent; default 0.
 
     Returns:
-        The same structure holding rank `src`'s values (on one process, `tree` itself).
+        The same structure holding rank `src`'s values, each on this rank's tensor's device
+        (on one process, `tree` itself).
 
     Raises:
         ValueError: for a `src` outside `[0, world_size)`, or ranks that pass different
@@ -207,9 +216,12 @@ def broadcast(ctx: RunContext, tree: TensorTree, *, src: int = 0) -> TensorTree:
     out = []
     with named_collective(ctx, "broadcast"):
         for t in leaves:
-            result = t.contiguous() if ctx.rank == src else torch.empty_like(t)
+            if ctx.rank == src:
+                result = _sendable(ctx, t.contiguous())
+            else:
+                result = torch.empty_like(t, device=comm_device(ctx))
             dist.broadcast(result, src=global_rank(ctx, src), group=group)
-            out.append(result)
+            out.append(result.to(t.device))
     return unflatten(treedef, out)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, Store, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
+from accel._canary import canary_device, stand_for_nccl
 from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
@@ -149,6 +150,8 @@ def init_distributed(
     if grouped:
         if backend is None:
             backend = "nccl" if chosen.type == "cuda" else "gloo"
+            if chosen == canary_device():  # the canary's GPU: its group stands for NCCL
+                stand_for_nccl()
         created = _connect(launch, backend, wait)
     sources = {name: source for name, (_, source) in settings.items()}
     topology_source = "default" if launch.launcher == "none" else f"launcher {launch.launcher}"

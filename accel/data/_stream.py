@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from accel._groups import named_collective, require_group
+from accel._groups import comm_device, named_collective, require_group
 from accel.collectives import broadcast_object
 from accel.context import RunContext
 from accel.data._shard_plan import ShardPlan
@@ -414,8 +414,8 @@ class SplitStream:
         # self._ctx is the data-parallel context (shard_loader passes along(ctx, "dp")), whose
         # ranks are the plan's.
         group = require_group(self._ctx, "shard_loader")
-        mine = torch.tensor([size, pad_size], dtype=torch.int64)
+        mine = torch.tensor([size, pad_size], dtype=torch.int64, device=comm_device(self._ctx))
         everyone = [torch.empty_like(mine) for _ in range(self.plan.world_size)]
         with named_collective(self._ctx, "shard_loader (aligning the ranks' streams)"):
             dist.all_gather(everyone, mine, group=group)
-        return [(int(t[0]), int(t[1])) for t in everyone]
+        return [(s, p) for s, p in torch.stack(everyone).tolist()]  # one copy to the host
