@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,33 @@ def test_the_launch_variable_is_one_or_zero() -> None:
         assert accel.RunContext.single(device="cpu").device == torch.device("cpu")
     with pytest.raises(ValueError, match=r"ACCEL_DEVICE_CANARY='maybe' must be 1 or 0"):
         _canary("maybe")
+
+
+ALL_REDUCE = """
+import sys
+import torch
+import torch.distributed as dist
+import accel
+
+ctx = accel.init_distributed(backend=sys.argv[1] or None)
+dist.all_reduce(torch.ones(2))  # a host tensor, which NCCL refuses
+sys.stdout.write(f"rank {ctx.rank} reduced\\n")  # one write: the ranks share the pipe
+"""
+
+
+@pytest.mark.slow
+def test_a_launched_script_meets_the_nccl_rule_where_accel_picked_the_backend(
+    tmp_path: Path,
+) -> None:
+    from tests.cli.test_cli import accel_cli
+
+    script = tmp_path / "all_reduce.py"
+    script.write_text(ALL_REDUCE)
+    canary = {"ACCEL_DEVICE_CANARY": "1"}
+    picked = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), "", env=canary)
+    assert picked.returncode == 1, picked.stdout
+    assert "No backend type associated with device type cpu" in picked.stderr
+    # a backend the script names keeps its own rules: gloo takes host tensors on a GPU machine
+    named = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), "gloo", env=canary)
+    assert named.returncode == 0, named.stderr[-2000:]
+    assert sorted(named.stdout.splitlines()) == ["rank 0 reduced", "rank 1 reduced"]
