@@ -303,7 +303,8 @@ class _NcclRule(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         if self._canary.nccl and func.namespace in _COLLECTIVES:
-            on_host = [t for t in _tensors((args, kwargs)) if self._canary.place(t) == "host"]
+            given = [*args, *kwargs.values()]  # allgather's outputs are lists of lists
+            on_host = [t for t in _tensors(given) if self._canary.place(t) == "host"]
             if on_host:
                 shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
                 raise RuntimeError(
