@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,27 +94,3 @@ def test_accels_collectives_hand_nccl_tensors_on_the_device() -> None:
         assert got["reduced"] == ("cpu", 3.0)
         assert got["gathered"] == ("cpu", [1.0, 2.0])
         assert got["sent"] == ("cpu", 2.0)
-
-
-def _zero_step(ctx: accel.RunContext, stage: int) -> float:
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # what torchrun sets
-        os.environ[key] = str(ctx.world_size if "WORLD" in key else ctx.rank)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
-    options = accel.DeepSpeedOptions(config=config, optimizer=optimizer, micro_batch_size=4)
-    engine = accel.wrap_model(ctx, model, strategy="deepspeed", deepspeed=options)
-    loss = engine(torch.randn(4, 8, device=ctx.device)).square().mean()
-    accel.scaled_backward(ctx, loss)
-    accel.optimizer_step(ctx, optimizer)
-    return float(loss)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_deepspeed_engine_runs_under_the_canary(stage: int) -> None:
-    # DeepSpeed names its accelerator's device, "cpu" here, for the module it moves (through
-    # nn.Module.to) and the buffers it makes: the run's device, as its "cuda:N" is on a GPU.
-    with device_canary():
-        losses = run_world(_zero_step, world_size=2, args=(stage,), timeout=240)
-    assert losses[0] == losses[1]
