@@ -16,7 +16,7 @@ import torch
 
 import accel
 from accel import FSDPOptions, Parallelism
-from accel.testing import run_world
+from accel.testing import device_canary, run_world
 from tests.models import TP_PLAN, Block, batches, full_param, lm_loss, make_model, reference
 
 pytestmark = pytest.mark.dist
@@ -52,8 +52,8 @@ def _train(ctx: accel.RunContext, options: dict[str, Any]) -> dict[str, Any]:
     micro = per_rank // ACCUM
     losses, norms = [], []
     for step, tokens in enumerate(batches(STEPS, GLOBAL_BATCH)):
-        mine = tokens[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
-        total = torch.zeros(())
+        mine = tokens[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank].to(ctx.device)
+        total = torch.zeros((), device=ctx.device)
         for m in range(ACCUM):
             with accel.accumulate(ctx, model, step * ACCUM + m):
                 loss = lm_loss(model, mine[m * micro : (m + 1) * micro])
@@ -93,8 +93,9 @@ def test_parameters_losses_and_norms_equal_the_full_batch_reference(name: str) -
     # inductor compiles on 4 ranks of 2 cores: 82 s on an idle machine with torch 2.11's build,
     # past 120 s on a loaded one; the test's own limit is 300 s
     timeout = 270 if options.get("compile") else 120
-    results = run_world(_train, world_size=4, args=(options,), parallelism=parallelism,
-                        timeout=timeout)  # fmt: skip
+    with device_canary():  # batches on the device and NCCL's rule for collectives, as on GPUs
+        results = run_world(_train, world_size=4, args=(options,), parallelism=parallelism,
+                            timeout=timeout)  # fmt: skip
     ref = _reference()
     for rank, out in enumerate(results):
         assert out["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
