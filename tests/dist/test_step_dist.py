@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accel
-from accel.testing import run_world
+from accel.testing import device_canary, run_world
 from tests.models import TokenModel
 
 pytestmark = pytest.mark.dist
@@ -61,7 +61,7 @@ def _train(ctx: accel.RunContext, strategy: str, task: str, *, naive: bool = Fal
     """Train STEPS optimizer steps; each rank takes its contiguous part of each global batch."""
     model = accel.wrap_model(ctx, _mlp() if task == "mse" else TokenModel(), strategy=strategy)  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    x, y = _data() if task == "mse" else _tokens()
+    x, y = (t.to(ctx.device) for t in (_data() if task == "mse" else _tokens()))
     per_rank = GLOBAL_BATCH // ctx.world_size
     micro = per_rank // ctx.grad_accum_steps
     for step in range(STEPS):
@@ -127,7 +127,7 @@ def _count_gradient_reductions(ctx: accel.RunContext, strategy: str) -> int:
         before = calls[0]
     try:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        x, y = _data()
+        x, y = (t.to(ctx.device) for t in _data())
         for micro_step in range(STEPS * ctx.grad_accum_steps):
             with accel.accumulate(ctx, model, micro_step) as sync:
                 accel.scaled_backward(ctx, F.mse_loss(model(x[:4]), y[:4]))
@@ -182,7 +182,8 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float = 1e-6) -> 
 
 @pytest.fixture(scope="module")
 def worlds() -> dict[int, dict[str, Any]]:
-    return {n: run_world(_world, world_size=n, timeout=240)[0] for n in (1, 2, 4)}
+    with device_canary():  # batches on the device and NCCL's rule for collectives, as on GPUs
+        return {n: run_world(_world, world_size=n, timeout=240)[0] for n in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
