@@ -12,6 +12,7 @@ import doctest
 import inspect
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -97,6 +98,33 @@ def test_training_blocks_run_under_the_device_canary(page: Path, tmp_path: Path)
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+MAIN_GUARD = 'if __name__ == "__main__":'
+SCRIPTS = [(page, line, code) for page in PAGES for line, code in python_blocks(page)
+           if MAIN_GUARD in code]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("page", "line", "code"), SCRIPTS, ids=[f"{page.name}:{line}" for page, line, _ in SCRIPTS]
+)
+def test_blocks_with_a_main_guard_run_as_scripts(
+    page: Path, line: int, code: str, tmp_path: Path
+) -> None:
+    # The block runner above executes blocks with another __name__, so what such a block keeps
+    # under its guard (run_world's spawned ranks need one) runs here, as `python block.py`.
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, f"{page.name}:{line}\n{run.stderr[-4000:]}"
+
+
+def test_the_docs_have_a_script_block() -> None:
+    assert SCRIPTS, "no docs block has a main guard; docs/testing.md's NCCL-rule example had"
 
 
 @pytest.mark.slow
