@@ -148,6 +148,12 @@ def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(item, depth + 1)
 
 
+def _on_host(tensors: Sequence[torch.Tensor]) -> str:
+    """How the canary's errors name host tensors: their shapes and how a tensor gets there."""
+    shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+    return f"on the host (shape {shapes}: made without a device, or moved with .cpu())"
+
+
 def _storage(t: torch.Tensor) -> Any:
     if t.layout != torch.strided or t.device.type != "cpu":
         return None
@@ -237,13 +243,12 @@ class DeviceCanary(TorchFunctionMode):
         on_device = [t for t, p in inputs if p == "device"]
         on_host = [t for t, p in inputs if p == "host" and t.dim() > 0]  # CPU scalars are fine
         if on_device and on_host:
-            shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
             raise RuntimeError(
-                f"device canary: {resolve_name(func) or func} got tensors on the host (shape "
-                f"{shapes}: made without a device, or moved with .cpu()) and on the run's "
-                'device; on a GPU this fails with "Expected all tensors to be on the same '
-                'device, but found at least two devices, cuda:0 and cpu!". Create the tensor '
-                "with device=ctx.device (or device=x.device), or move it with .to(ctx.device)."
+                f"device canary: {resolve_name(func) or func} got tensors {_on_host(on_host)} "
+                "and on the run's device; on a GPU this fails with \"Expected all tensors to be "
+                'on the same device, but found at least two devices, cuda:0 and cpu!". Create the '
+                "tensor with device=ctx.device (or device=x.device), or move it with "
+                ".to(ctx.device)."
             )
 
     def _check_index(self, func: Callable[..., Any], args: Sequence[Any]) -> None:
@@ -306,13 +311,11 @@ class _NcclRule(TorchDispatchMode):  # type: ignore[no-untyped-call]
             given = [*args, *kwargs.values()]  # allgather's outputs are lists of lists
             on_host = [t for t in _tensors(given) if self._canary.place(t) == "host"]
             if on_host:
-                shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
                 raise RuntimeError(
-                    f"device canary: the collective {func} got a tensor on the host (shape "
-                    f"{shapes}: made without a device, or moved with .cpu()); on a GPU, NCCL "
-                    'fails with "No backend type associated with device type cpu". Create the '
-                    "tensor with device=ctx.device, or move it with .to(ctx.device), before the "
-                    "collective."
+                    f"device canary: the collective {func} got a tensor {_on_host(on_host)}; "
+                    'on a GPU, NCCL fails with "No backend type associated with device type '
+                    'cpu". Create the tensor with device=ctx.device, or move it with '
+                    ".to(ctx.device), before the collective."
                 )
         with torch._C.DisableTorchFunction():  # the op was placed by the canary's caller
             return func(*args, **kwargs)

@@ -162,8 +162,7 @@ def reduce(ctx: RunContext, tree: TensorTree, *, op: ReduceOp = "mean") -> Tenso
     out = []
     with named_collective(ctx, "reduce"):
         for t in leaves:
-            result = _sendable(ctx, t)
-            result = result.clone() if result is t else result
+            result = t.to(comm_device(ctx), copy=True)  # NCCL's device; never the caller's
             dist.all_reduce(result, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group)
             if op == "mean":
                 result /= ctx.world_size
