@@ -11,7 +11,7 @@ PYTEST ?= $(PY) -m pytest
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 # The editable install links each of the package's files (pyproject.toml says why): a stamp named
 # by the list of those files makes `make` link again when a module is added or removed.
-LINKS  := $(VENV)/.links-$(shell find accel accel_cli -name '*.py' -o -name py.typed | sort | cksum | cut -d' ' -f1)
+LINKS  := $(VENV)/.links-$(shell find accel accel_cli accel_settings -name '*.py' -o -name py.typed | sort | cksum | cut -d' ' -f1)
 
 # NO_INSTALL=1 runs a target with .venv as it is, never installing into it (tests of the targets).
 NO_INSTALL ?=
@@ -66,7 +66,7 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(INSTALLED)
-	$(VENV)/bin/mypy accel accel_cli
+	$(VENV)/bin/mypy accel accel_cli accel_settings
 
 # The GPU check runs with the machine's own python and packages (no venv, no download):
 # `make gpu-check` on a machine with a CUDA GPU (every part within 6 minutes), `make gpu-check

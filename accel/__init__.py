@@ -43,6 +43,7 @@ from accel.config import Config, default_config_path, load_config
 from accel.context import (
     Parallelism,
     RunContext,
+    WrapDefaults,
     along,
 )
 from accel.data import (
@@ -161,6 +162,7 @@ __all__ = [
     "TrackerFactory",
     "TrackioTracker",
     "WandbTracker",
+    "WrapDefaults",
     "accumulate",
     "along",
     "any_rank",

@@ -1,33 +1,23 @@
-"""Value types of how `wrap_model` applies a strategy: `FSDPOptions` and the compile mode.
+"""Value types of how `wrap_model` applies a strategy: `FSDPOptions`, the compile mode, and
+`WrapDefaults` (what a launcher asked wrap_model for, held by `RunContext`).
 
-They sit below `RunContext` (which records what a launcher asked for) and import nothing of
-accel's but `_typing`, so `accel.context` can name them without a circle.
+They sit below `RunContext` and import nothing of accel's but `_typing`.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from accel._typing import as_dtype
+from accel_settings.values import CompileMode as CompileMode
+from accel_settings.values import check_compile as check_compile
 
-__all__ = ["FSDPOptions"]
-
-CompileMode = Literal[False, True, "regional"]
-
-
-def check_compile(fn: str, value: Any, *, name: str = "compile") -> CompileMode:
-    """The one validator of a compile setting: False, True or "regional" (not 0, 1 or "yes")."""
-    if value is False or value is True or value == "regional":
-        return cast(CompileMode, value)
-    raise ValueError(
-        f"{fn}: {name}={value!r} must be False, True or 'regional'; False does not compile, "
-        "True compiles the whole model, 'regional' each repeated block. Use compile=True."
-    )
+__all__ = ["FSDPOptions", "WrapDefaults"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,4 +82,55 @@ class FSDPOptions:
                 "every strategy, DDP, tensor parallel and one process included).",
                 DeprecationWarning,
                 stacklevel=3,
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrapDefaults:
+    """What `wrap_model` applies when its call does not say: the launcher config's choices.
+
+    `init_distributed` reads them from `accel launch` (its flags and Accelerate's YAML
+    sections: `fsdp_config`, `dynamo_config`, `deepspeed_config`) into `ctx.wrap`; an argument
+    of `wrap_model` (fsdp=, compile=, activation_checkpointing=, deepspeed=) wins over each.
+
+    Example:
+        >>> from accel import RunContext, WrapDefaults
+        >>> RunContext(wrap=WrapDefaults(compile="regional")).wrap.compile
+        'regional'
+    """
+
+    fsdp: FSDPOptions | None = None
+    """FSDP2 options (`fsdp_config`); None: FSDPOptions() when FSDP2 applies."""
+    activation_checkpointing: bool = False
+    """Recompute each repeated block's activations in backward (`fsdp_activation_checkpointing`)."""
+    compile: CompileMode = False
+    """torch.compile (`dynamo_config`): False, True (the whole model) or "regional" (per block)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's `dynamic=` (Accelerate's `dynamo_use_dynamic`): True traces dynamic
+    shapes, False specialises on every shape, None (torch's default) recompiles with dynamic
+    shapes once a shape changes."""
+    deepspeed: tuple[tuple[str, Any], ...] | None = None
+    """Accelerate's `deepspeed_config` section (distributed_type DEEPSPEED), as sorted pairs,
+    each value read by its row; `wrap_model(strategy="auto")` builds a DeepSpeed engine from it."""
+
+    def __post_init__(self) -> None:
+        if self.fsdp is not None and not isinstance(self.fsdp, FSDPOptions):
+            raise TypeError(
+                f"WrapDefaults: fsdp={self.fsdp!r} must be an accel.FSDPOptions or None."
+            )
+        check_compile("WrapDefaults", self.compile)
+        if self.compile_dynamic is not None and not isinstance(self.compile_dynamic, bool):
+            raise TypeError(
+                f"WrapDefaults: compile_dynamic={self.compile_dynamic!r} must be True, False or "
+                "None (torch.compile's dynamic=)."
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(
+                f"WrapDefaults: activation_checkpointing={self.activation_checkpointing!r} must "
+                "be True or False."
+            )
+        if self.deepspeed is not None and not isinstance(self.deepspeed, tuple):
+            raise TypeError(
+                f"WrapDefaults: deepspeed={self.deepspeed!r} must be Accelerate's "
+                "deepspeed_config section as sorted (key, value) pairs, or None."
             )

@@ -7,9 +7,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 
-Precision: TypeAlias = Literal["fp32", "bf16", "fp16", "fp8"]
-"""Mixed-precision mode: fp32 weights always; bf16/fp16 name the autocast compute dtype; fp8
-is torchao's float8 training of the Linear layers with bf16 autocast around the rest."""
+from accel_settings.values import Precision as Precision  # declared with its parser
 
 COMPUTE_DTYPES = MappingProxyType(
     {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

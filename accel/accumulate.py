@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel._deepspeed_flags import WINDOW_OPEN
 from accel._groups import comm_device, named_collective, require_group
 from accel.context import RunContext, along
 from accel.parallel.deepspeed import deepspeed_engine
@@ -96,8 +95,8 @@ def accumulate(
     sync = should_sync(step, ctx.grad_accum_steps, is_last=is_last)
     engine = deepspeed_engine(model)
     if engine is not None:  # the engine reduces and steps on the boundaries it is told
+        # The engine's own state, its public flag: save_state refuses off a boundary.
         engine.set_gradient_accumulation_boundary(sync)
-        setattr(engine, WINDOW_OPEN, not sync)  # save_state refuses inside a window
         yield sync
         return
     if sync or ctx.world_size == 1:

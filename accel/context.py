@@ -7,22 +7,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 import torch
 from typing_extensions import Self
 
 from accel._device import default_device
+from accel._options import WrapDefaults
 from accel._parallelism import MESH_DIMS, MeshDim, Parallelism
 from accel._typing import Backend, Precision
 
-if TYPE_CHECKING:
-    from accel._options import CompileMode, FSDPOptions  # types: parallel imports us
-
-__all__ = ["Parallelism", "RunContext", "along"]
+__all__ = ["Parallelism", "RunContext", "WrapDefaults", "along"]
 
 
 _CPU = torch.device("cpu")
+_NO_DEFAULTS = WrapDefaults()  # frozen: one shared value is safe
+_WRAP_FIELDS = tuple(f.name for f in dataclasses.fields(WrapDefaults))
+"""RunContext's fields of old (fsdp, compile, ...), now WrapDefaults' in `ctx.wrap`."""
+
+
+def _moved(name: str, where: str) -> str:
+    return (
+        f"RunContext: {where} is now a field of `wrap`: write "
+        f"{'ctx.wrap.' + name if where.startswith('ctx.') else f'wrap=WrapDefaults({name}=...)'}"
+        " (accel.WrapDefaults: what wrap_model applies when its call does not say)."
+    )
 
 
 def _check_index(name: str, value: int, bound_name: str, bound: int) -> None:
@@ -105,25 +114,28 @@ class RunContext:
     """The torch DeviceMesh of `parallelism` (held by reference), its dimensions named after
     the sizes > 1; `init_distributed(parallelism=...)` builds it. None for plain data
     parallelism and for hand-built contexts (the coordinates below need no mesh)."""
-    fsdp: FSDPOptions | None = None
-    """FSDP2 options a launcher config asked for; `wrap_model` uses them when given none."""
-    compile: CompileMode = False
-    """torch.compile a launcher config asked for (True: whole model, "regional": per block)."""
-    compile_dynamic: bool | None = None
-    """torch.compile's `dynamic=` for what `wrap_model` compiles (Accelerate's
-    `dynamo_use_dynamic`): True traces dynamic shapes, False specialises on every shape, None
-    (torch's default) recompiles with dynamic shapes once a shape changes."""
-    activation_checkpointing: bool = False
-    """Activation checkpointing a launcher config asked for (`fsdp_activation_checkpointing`);
-    `wrap_model` uses it when given none."""
-    deepspeed: tuple[tuple[str, Any], ...] | None = None
-    """Accelerate's `deepspeed_config` section a launcher config asked for (distributed_type
-    DEEPSPEED), as sorted pairs; `wrap_model(strategy="auto")` builds a DeepSpeed engine from it."""
+    wrap: WrapDefaults = _NO_DEFAULTS
+    """What `wrap_model` applies when its call does not say (FSDP2 options, activation
+    checkpointing, compile, DeepSpeed): the launcher config's choices."""
     log_with: tuple[str, ...] = ()
     """Tracker names a launcher config asked for (Accelerate's `log_with`); `init_trackers`
     builds them when given names=None."""
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     """Where each value came from ("argument", "env ACCEL_PRECISION", ...), for describe()."""
+
+    def __new__(cls, *args: Any, **fields: Any) -> Self:
+        # The old fields (fsdp=, compile=, ...) are refused naming their new spelling, rather
+        # than by Python's bare "unexpected keyword argument".
+        moved = [name for name in _WRAP_FIELDS if name in fields]
+        if moved:
+            raise TypeError(_moved(moved[0], f"{moved[0]}="))
+        return object.__new__(cls)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for a name that is not an attribute: ctx.compile of old says where it went.
+        if name in _WRAP_FIELDS:
+            raise AttributeError(_moved(name, f"ctx.{name}"))
+        raise AttributeError(f"'RunContext' object has no attribute {name!r}")
 
     def __post_init__(self) -> None:
         for name in ("world_size", "local_world_size", "num_nodes", "grad_accum_steps"):
@@ -157,18 +169,10 @@ class RunContext:
                 )
             object.__setattr__(self, "parallelism", self.parallelism.resolve(self.world_size))
         _check_timeout(self.timeout)
-        from accel._options import check_compile  # see TYPE_CHECKING above
-
-        check_compile("RunContext", self.compile)
-        if self.compile_dynamic is not None and not isinstance(self.compile_dynamic, bool):
+        if not isinstance(self.wrap, WrapDefaults):
             raise TypeError(
-                f"RunContext: compile_dynamic={self.compile_dynamic!r} must be True, False or "
-                "None (torch.compile's dynamic=)."
-            )
-        if not isinstance(self.activation_checkpointing, bool):
-            raise TypeError(
-                f"RunContext: activation_checkpointing={self.activation_checkpointing!r} must "
-                "be True or False."
+                f"RunContext: wrap={self.wrap!r} must be an accel.WrapDefaults, e.g. "
+                "wrap=WrapDefaults(compile=True)."
             )
         if not isinstance(self.log_with, tuple) or not all(
             isinstance(n, str) for n in self.log_with
@@ -273,9 +277,17 @@ class RunContext:
                 dims = zip(value.mesh_dim_names or (), value.shape, strict=True)
                 value = f"<DeviceMesh {' x '.join(f'{n}={s}' for n, s in dims)}>"
             shown = str(value) if isinstance(value, str) and value.startswith("<") else repr(value)
-            source = self.sources.get(f.name, "constructed")
+            source = self.sources.get(f.name) or _parts_source(self, f.name) or "constructed"
             lines.append(f"{f.name:<16} = {shown}  ({source})")
         return "\n".join(lines)
+
+
+def _parts_source(ctx: RunContext, name: str) -> str:
+    """Where the parts of a field came from ("env ACCEL_COMPILE, env ACCEL_COMPILE_DYNAMIC"):
+    `wrap`'s are set one by one, each with its own source."""
+    if name != "wrap":
+        return ""
+    return ", ".join(dict.fromkeys(ctx.sources[n] for n in _WRAP_FIELDS if n in ctx.sources))
 
 
 def _sizes(ctx: RunContext) -> tuple[int, int, int, int, int]:

@@ -8,6 +8,7 @@ backend, creates the process group and returns a `RunContext` recording every ch
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import warnings
@@ -25,7 +26,7 @@ from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
 from accel._typing import Backend, Precision
-from accel.context import Parallelism, RunContext
+from accel.context import Parallelism, RunContext, WrapDefaults
 from accel.seeding import check_seed
 
 __all__ = ["init_distributed", "shutdown"]
@@ -33,6 +34,8 @@ __all__ = ["init_distributed", "shutdown"]
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 # Settings init_distributed applies itself rather than passing them to RunContext as they are.
 _OWN = frozenset({"device", "parallelism"})
+# Settings that are fields of RunContext's `wrap`, not of RunContext.
+_WRAP = frozenset(f.name for f in dataclasses.fields(WrapDefaults))
 
 
 _JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
@@ -175,8 +178,9 @@ def init_distributed(
         backend=backend if grouped else None,
         timeout=wait,
         sources=sources,
-        # Every other setting the table gave a value (precision, fsdp, ...); the mesh is next.
-        **{name: value for name, (value, _) in settings.items() if name not in _OWN},
+        wrap=WrapDefaults(**{n: v for n, (v, _) in settings.items() if n in _WRAP}),
+        # Every other setting the table gave a value (precision, seed, ...); the mesh is next.
+        **{n: v for n, (v, _) in settings.items() if n not in _OWN | _WRAP},
     )
     if "parallelism" not in settings:
         return ctx

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel._deepspeed_flags import WINDOW_OPEN
 from accel._dtensor import is_dtensor
 from accel._groups import comm_device, named_collective, require_group
 from accel._typing import COMPUTE_DTYPES
@@ -258,7 +257,6 @@ def _engine_step(engine: Any, scaler: GradScaler | None) -> bool:
         )
     skipped = engine.skipped_steps
     engine.step()
-    setattr(engine, WINDOW_OPEN, False)
     return bool(engine.skipped_steps == skipped)
 
 

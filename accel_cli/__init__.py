@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from accel_cli._refused import add_refused
 
 if TYPE_CHECKING:
-    from accel_cli._setting import Setting  # a type only: `accel --help` reads no table
+    from accel_settings import Setting  # a type only: `accel --help` reads no table
 
 __all__ = ["build_parser", "main"]
 
 # `accel launch --help` groups its flags as `accelerate launch --help` does (same titles): these
 # groups first, with the flags that are the command's own (not settings); the settings table
-# (accel/config/, read without importing accel) fills them and adds its sections' groups.
+# (`accel_settings`, which imports neither accel nor torch) fills them and adds its sections'.
 _GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Hardware Selection Arguments", "Arguments for selecting the hardware to be used.",
      ("multi_gpu",)),
@@ -186,12 +186,12 @@ def _setting_flag(setting: Setting, top_level: bool) -> dict[str, Any]:
 def _launch_groups(argv: Sequence[str]) -> list[tuple[str, str, bool, list[Any]]]:
     """(title, description, shown, flags) of each help group: the command's own flags as
     names, the table's as (Setting, top_level)."""
-    from accel_cli._setting import accel_root, load_sections  # only when launch is parsed
+    from accel_settings import TABLE  # only when launch is parsed: `accel --help` needs none
 
     groups: dict[str, tuple[str, bool, list[Any]]] = {
         title: (description, True, list(names)) for title, description, names in _GROUPS
     }
-    for section in load_sections(accel_root()):
+    for section in TABLE:
         shown = section.shown_with is None or any(
             a in (f"--{section.shown_with}", f"--{section.shown_with.replace('_', '-')}")
             for a in argv

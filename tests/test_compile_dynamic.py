@@ -1,5 +1,5 @@
 """Accelerate's `dynamo_use_dynamic`, end to end: flag, accel's and Accelerate's YAML, the
-workers' variable, `RunContext.compile_dynamic`, `describe()`, `wrap_model` compiling with it."""
+workers' variable, `ctx.wrap.compile_dynamic`, `describe()`, `wrap_model` compiling with it."""
 
 from __future__ import annotations
 
@@ -47,17 +47,18 @@ def test_unset_is_torchs_default_and_a_bad_value_is_refused(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"ACCEL_COMPILE_DYNAMIC='yes' must be true or false"):
         env_settings({"ACCEL_COMPILE_DYNAMIC": "yes"})
     with pytest.raises(TypeError, match=r"compile_dynamic=1 must be True, False or None"):
-        accel.RunContext(compile_dynamic=1)  # type: ignore[arg-type]
+        accel.WrapDefaults(compile_dynamic=1)  # type: ignore[arg-type]
 
 
 def _graphs(dynamic: bool, compile: bool | str = True) -> int:
-    """Graphs torch.compile made for a model wrapped under ctx.compile_dynamic=`dynamic` and
+    """Graphs torch.compile made for a model wrapped under ctx.wrap.compile_dynamic=`dynamic` and
     called on two batch sizes."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    ctx = accel.RunContext(compile=compile, compile_dynamic=dynamic)  # type: ignore[arg-type]
+    wrap = accel.WrapDefaults(compile=compile, compile_dynamic=dynamic)  # type: ignore[arg-type]
+    ctx = accel.RunContext(wrap=wrap)
     model = accel.wrap_model(ctx, nn.Sequential(nn.Linear(4, 3)))
     for rows in (2, 3):
         model(torch.randn(rows, 4))
@@ -82,8 +83,8 @@ def test_a_launched_script_and_accelerates_own_plugin_see_it(tmp_path: Path) -> 
     script.write_text(
         "import json, sys\nimport accel\nfrom accelerate.utils import TorchDynamoPlugin\n"
         "ctx = accel.init_distributed()\n"
-        "line = [x for x in ctx.describe().splitlines() if x.startswith('compile_dynamic')][0]\n"
-        "json.dump({'field': ctx.compile_dynamic, 'describe': line,\n"
+        "line = [x for x in ctx.describe().splitlines() if x.startswith('wrap')][0]\n"
+        "json.dump({'field': ctx.wrap.compile_dynamic, 'describe': line,\n"
         "           'accelerate': TorchDynamoPlugin().dynamic}, open(sys.argv[1], 'w'))\n"
         "accel.shutdown(ctx)\n"
     )
@@ -97,6 +98,8 @@ def test_a_launched_script_and_accelerates_own_plugin_see_it(tmp_path: Path) -> 
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen == {
         "field": True,
-        "describe": "compile_dynamic  = True  (env ACCEL_COMPILE_DYNAMIC)",
+        "describe": "wrap             = WrapDefaults(fsdp=None, activation_checkpointing=False, "
+        "compile=True, compile_dynamic=True, deepspeed=None)  "
+        "(env ACCEL_COMPILE, env ACCEL_COMPILE_DYNAMIC)",
         "accelerate": True,
     }

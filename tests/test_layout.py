@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # DESIGN.md's Layout, plus the files every checkout has beside it.
 LAYOUT = frozenset({
     "pyproject.toml", "README.md", "Makefile", ".ci", "accel", "tests", "examples", "benchmarks",
-    "docs", "accel_cli", "tools", "LICENSE", "CHANGELOG.md", "constraints.txt", ".gitignore",
+    "docs", "accel_cli", "accel_settings", "tools", "LICENSE", "CHANGELOG.md", "constraints.txt",
+    ".gitignore",
 })  # fmt: skip
 
 

@@ -29,6 +29,7 @@ PUBLIC_API = [
     "TrackerFactory",
     "TrackioTracker",
     "WandbTracker",
+    "WrapDefaults",
     "accumulate",
     "along",
     "any_rank",

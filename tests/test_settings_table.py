@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from accel import FSDPOptions, Parallelism, init_distributed, shutdown
-from accel._settings.table import KEYS, SECTIONS, TABLE, accelerate_variables, build, environment
+from accel._settings.table import accelerate_variables, build, environment
 from accel.cli import _launch
 from accel.config import as_mapping, env_settings, load_config, parse_config
 from accel_cli import build_parser
+from accel_settings import KEYS, SECTIONS, TABLE
 
 SETTINGS = [s for section in TABLE for s in section.settings]
 
@@ -116,7 +117,7 @@ def test_accelerates_variables_come_from_the_table() -> None:
 
 
 def test_every_entry_has_help_and_a_known_value_type() -> None:
-    from accel._settings.values import PARSERS
+    from accel_settings.values import PARSERS
 
     for setting in SETTINGS:
         assert setting.help.strip(), setting
@@ -149,12 +150,43 @@ def test_every_flag_of_the_table_is_a_flag_of_accel_launch() -> None:
 @pytest.mark.slow
 def test_the_command_reads_the_table_without_importing_accel() -> None:
     code = (
-        "import sys, accel_cli._setting as s\n"
-        "sections = s.load_sections(s.accel_root())\n"
+        "import sys, accel_settings\n"
+        "sections = accel_settings.TABLE\n"
         "print(len(sections), 'accel' in sys.modules, 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(len(TABLE)), "False", "False"]
+
+
+@pytest.mark.slow
+def test_the_library_imports_the_table_and_not_the_command() -> None:
+    # What the launcher and the workers import (accel, its config and launch modules) reaches
+    # the table's package and never the command's: no arrow from accel into accel_cli.
+    code = (
+        "import sys, accel, accel.config, accel.cli._launch, accel.parallel._deepspeed_config\n"
+        "print('accel_cli' in sys.modules, 'accel_settings' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_the_import_graph_runs_from_accel_and_the_command_to_the_table() -> None:
+    from tests.test_conventions import _graph
+
+    graph = _graph()
+    # `python -m accel` is the command itself: accel/__main__.py is its one entry from accel.
+    into_command = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.split(".")[0] == "accel" and m != "accel.__main__"
+        for d in deps
+        if d.split(".")[0] == "accel_cli"
+    )
+    assert into_command == []
+    table = {m: deps for m, deps in graph.items() if m.split(".")[0] == "accel_settings"}
+    assert table and all(d.split(".")[0] == "accel_settings" for ds in table.values() for d in ds)
+    assert any(d.startswith("accel_settings") for d in graph["accel_cli"])
+    assert any(d.startswith("accel_settings") for d in graph["accel._settings.table"])
 
 
 def test_a_section_value_overrides_the_top_level_one_it_refines() -> None:

@@ -1,8 +1,7 @@
-"""The settings table's machinery, shared by the packages that declare or read settings.
+"""The loops over the settings table (`accel_settings`, where every setting is declared).
 
-`accel.config` reads config files into it, each strategy's package (`parallel/`) declares its
-section with its value types and checks, and the launcher (`cli/`) writes and reads the
-workers' variables through it; so it lives below all three, not inside any one of them.
-`table` loads every declared section and loops over it; `values` holds one parser per value
-type; `tracker_names` checks what can name a tracker (`log_with`) without importing trackers.
+`table` turns what a launch config asks for into the values of `RunContext` (composing a value
+built from several rows), those values into the workers' variables and back, and into the
+variables Accelerate's launcher exports; it lives below `config/` (which reads config files),
+`parallel/` and `cli/`, which all use it.
 """

@@ -1,102 +1,111 @@
-"""The settings table and the loops over it: a `Config` to RunContext values, those values to
-the workers' variables and back, and Accelerate's variables.
+"""The settings table's loops: a `Config` to RunContext values, those values to the workers'
+variables and back, and Accelerate's variables.
 
-Every setting is declared once, in a `_settings*.py` module (the core ones beside this file,
-each strategy's in its package); nothing here names a setting.
+Every setting is a row of `accel_settings`; nothing here names one. A field built from several
+rows (`Parallelism`, `FSDPOptions`) is composed from its parts by its type, named in `VALUES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
+import json
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from accel._settings.values import parse, spell
-from accel_cli._setting import Section, Setting, load_sections
+from accel._options import FSDPOptions
+from accel._parallelism import Parallelism
+from accel_settings import KEYS, TABLE, Section, Setting
+from accel_settings.table import PARTS, read
+from accel_settings.values import parse, spell, typed_section
 
-TABLE: tuple[Section, ...] = load_sections(Path(__file__).parent.parent)  # accel/
-"""Every section of the table, in help order (the core, the top-level keys, last)."""
-CORE = next(s for s in TABLE if s.name == "")
-SECTIONS: Mapping[str, Section] = MappingProxyType({s.name: s for s in TABLE if s.name})
-"""The YAML sections (`fsdp_config`, ...) by name."""
-KEYS: Mapping[str, Setting] = MappingProxyType(
-    {s.key: s for s in CORE.settings if s.key is not None}
+VALUES: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {"parallelism": Parallelism, "fsdp": FSDPOptions}
 )
-"""The top-level settings by YAML key (the sections are keys of their own)."""
-SETTINGS: tuple[Setting, ...] = tuple(s for section in TABLE for s in section.settings)
-"""Every setting, section by section."""
-
-
-def section_keys(name: str, *, flags: bool = False) -> tuple[str, ...]:
-    """The keys a YAML section takes; with `flags`, those `accel launch` takes as flags."""
-    settings = SECTIONS[name].settings
-    return tuple(s.key for s in settings if s.key is not None and (s.flag or not flags))
+"""The type of each field the table builds from parts (the rows whose `part` is set)."""
+assert set(VALUES) == PARTS, "a field built from parts needs its type here"
 
 
 def build(config: Any) -> dict[str, Any]:
-    """The RunContext values a `Config` asks for, each section checking its own keys.
+    """The RunContext values a `Config` asks for (by field), every value checked.
 
-    The core (top-level keys) first: a section's value refines the top-level one it names (a
-    deepspeed_config's gradient_accumulation_steps is the run's when the top-level key is 1).
+    Example:
+        >>> from accel.config import Config
+        >>> build(Config(seed=3))["seed"]
+        3
     """
-    found: dict[str, Any] = {}
-    for section in (CORE, *(s for s in TABLE if s is not CORE)):
-        assert section.build is not None, section.name
-        found.update(section.build(config))
-    return found
+    return {
+        field: VALUES[field](**value) if field in VALUES else value
+        for field, value in read(config).items()
+    }
+
+
+def _spell(section: Section, setting: Setting, value: Any) -> str:
+    if setting.kind != "json_section":
+        return spell(setting.kind, value)
+    # A whole section, each value spelled by its own row (read back by the same rows).
+    return json.dumps({k: None if v is None else spell(section.row(k).kind, v) for k, v in value})
 
 
 def environment(settings: Mapping[str, Any], config: Any) -> dict[str, str]:
     """The variables that carry `settings` (RunContext values) and `config`'s launcher-only
     settings (gpu_ids, threads) to every worker."""
     env: dict[str, str] = {}
-    for setting in SETTINGS:
-        if setting.env is None:
-            continue
-        if setting.field is None:  # read by torch or CUDA in the worker, not by accel
-            value = getattr(config, str(setting.key))
-            text = "" if value == setting.default else spell(setting.kind, value)
-        elif setting.field in settings:
-            value = settings[setting.field]
-            text = spell(setting.kind, getattr(value, setting.part) if setting.part else value)
-        else:
-            continue
-        if text:
-            env[setting.env] = text
+    for section in TABLE:
+        for setting in section.settings:
+            if setting.env is None:
+                continue
+            if setting.field is None:  # read by torch or CUDA in the worker, not by accel
+                value = getattr(config, str(setting.key))
+                text = "" if value == setting.default else spell(setting.kind, value)
+            elif setting.field in settings:
+                value = settings[setting.field]
+                value = getattr(value, setting.part) if setting.part else value
+                text = _spell(section, setting, value)
+            else:
+                continue
+            if text:
+                env[setting.env] = text
     return env
 
 
+def _check_prefix(section: Section, environ: Mapping[str, str], fn: str) -> None:
+    if not section.env_prefix:
+        return
+    declared = {s.env for s in section.settings}
+    for var in sorted(environ):
+        if var.startswith(section.env_prefix) and var not in declared:
+            raise ValueError(
+                f"{fn}: {var} is not a setting; expected one of "
+                f"{sorted(str(v) for v in declared if v)}. Unset it."
+            )
+
+
 def read_environment(environ: Mapping[str, str], fn: str) -> dict[str, tuple[Any, str]]:
-    """The RunContext values found in `environ`, each with its source ("env ACCEL_SEED")."""
+    """The RunContext values found in `environ`, each with its source ("env ACCEL_SEED"),
+    read by the same rows and parsers as the launcher's config."""
     found: dict[str, tuple[Any, str]] = {}
     parts: dict[str, dict[str, Any]] = {}
     names: dict[str, list[str]] = {}
     for section in TABLE:
-        if section.env_prefix:
-            declared = {s.env for s in section.settings}
-            for var in sorted(environ):
-                if var.startswith(section.env_prefix) and var not in declared:
-                    raise ValueError(
-                        f"{fn}: {var} is not a setting; expected one of "
-                        f"{sorted(str(v) for v in declared if v)}. Unset it."
-                    )
-    for setting in SETTINGS:
-        if setting.env is None or setting.field is None or setting.env not in environ:
-            continue
-        value = parse(setting.kind, setting.env, environ[setting.env], fn=fn)
-        if setting.part is None:
-            found[setting.field] = (value, f"env {setting.env}")
-        else:
-            parts.setdefault(setting.field, {})[setting.part] = value
-            names.setdefault(setting.field, []).append(setting.env)
+        _check_prefix(section, environ, fn)
+        for setting in section.settings:
+            if setting.env is None or setting.field is None or setting.env not in environ:
+                continue
+            value = parse(setting.kind, setting.env, environ[setting.env], fn=fn)
+            if setting.kind == "json_section":
+                value = tuple(sorted(typed_section(section, value, fn=f"{fn}: {setting.env}")
+                                     .items()))  # fmt: skip
+            if setting.part is None:
+                found[setting.field] = (value, f"env {setting.env}")
+            else:
+                parts.setdefault(setting.field, {})[setting.part] = value
+                names.setdefault(setting.field, []).append(setting.env)
+                if section.env_prefix:  # its variables, as `env` lists them
+                    names[setting.field].sort()
     for field, values in parts.items():
-        section = next(s for s in TABLE if any(x.field == field and x.part for x in s.settings))
-        listed = sorted(names[field]) if section.env_prefix else names[field]
-        source = "env " + ", ".join(listed)
-        assert section.compose is not None, field
+        listed = names[field]
         try:
-            found[field] = (section.compose(field, values), source)
+            found[field] = (VALUES[field](**values), "env " + ", ".join(listed))
         except ValueError as err:  # e.g. two mesh sizes of -1
             raise ValueError(f"{fn}: {', '.join(listed)}: {err}") from None
     return found
@@ -119,7 +128,7 @@ def accelerate_variables(config: Any) -> dict[str, str]:
     """The variables Accelerate's own launcher exports for `config` (accelerate/utils/launch.py,
     1.15), so code built on Accelerate sees what was asked."""
     env: dict[str, str] = {}
-    for setting in CORE.settings:
+    for setting in KEYS.values():
         if setting.accelerate_env is not None:
             env[setting.accelerate_env] = _accelerate_text(
                 setting, getattr(config, str(setting.key))

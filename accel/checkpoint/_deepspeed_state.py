@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel._deepspeed_flags import WINDOW_OPEN
 from accel.checkpoint._model_io import storage_view
 from accel.parallel.deepspeed import deepspeed_engine
 
@@ -96,7 +95,9 @@ class EngineState:
 
     def state_dict(self) -> dict[str, Any]:
         engine = self.engine
-        if getattr(engine, WINDOW_OPEN, False):
+        # Off a boundary (accumulate told the engine: set_gradient_accumulation_boundary),
+        # partial gradients sit in ZeRO's buffers, which no checkpoint holds.
+        if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 f"{self.fn}: {self.name} is a DeepSpeed engine inside a gradient accumulation "
                 "window: its partial gradients live in ZeRO's buffers, which are not saved. "

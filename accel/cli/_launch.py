@@ -22,11 +22,11 @@ from types import MappingProxyType
 from typing import Any
 
 from accel import config as _config
-from accel._settings.table import KEYS, SECTIONS, build, environment
+from accel._settings.table import build, environment
 from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._script import check_script, uses_trainer
-from accel_cli._setting import Setting
+from accel_settings import KEYS, SECTIONS, Setting
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
 # for the whole job, so after a restart (--max_restarts) the new workers can read the keys the
@@ -63,14 +63,21 @@ def _merge_parallel_flags(args: argparse.Namespace, merged: dict[str, Any]) -> N
 
 def resolve_config(args: argparse.Namespace) -> _config.Config:
     """Merge the config file (explicit, else the default path if present) and the flags."""
+    return resolve_launch(args)[0]
+
+
+def resolve_launch(args: argparse.Namespace) -> tuple[_config.Config, dict[str, Any]]:
+    """The launch config (the config file, explicit, else the default path if present, and the
+    flags over it) and the RunContext values it gives the workers, each read once, here."""
     path = _config.config_in_force(args.config_file)  # else Accelerate's file, else none
-    base = _config.load_config(path) if path is not None else _config.Config()
-    merged = dataclasses.asdict(base)
+    merged: dict[str, Any] = {}
+    if path is not None:  # its keys checked naming the file; its values with the flags'
+        merged = dataclasses.asdict(_config.parse_keys(_config.read_yaml(path), str(path)))
     for name, setting in KEYS.items():
         if _flag(args, setting) is not None:
             merged[name] = _flag(args, setting)
     _merge_parallel_flags(args, merged)
-    return _config.parse_config(merged, origin="accel launch")
+    return _config.read_launch(merged, origin="accel launch")
 
 
 def _check_shutdown_timeout(seconds: int) -> int:
@@ -184,9 +191,12 @@ def _check_port_free(port: int | None) -> None:
             ) from None
 
 
-def worker_environment(config: _config.Config) -> dict[str, str]:
-    """The variables that carry the settings to `init_distributed` in each worker."""
-    return environment(build(config), config)
+def worker_environment(
+    config: _config.Config, settings: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """The variables that carry the settings (`resolve_launch`'s, else `config`'s, read here)
+    to `init_distributed` in each worker."""
+    return environment(build(config) if settings is None else settings, config)
 
 
 # What torchrun's agent logs while it stops the workers on a signal (Ctrl-C, a scheduler's
@@ -223,13 +233,13 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-    config = resolve_config(args)
-    _config.check_launch_environment(config)
+    config, settings = resolve_launch(args)  # every setting read once, here
+    _config.check_launch_environment(config, settings)
     argv = torchrun_argv(config, args)
     check_script(args.script, module=args.module)  # one line here, not one error per worker
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
-    os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
+    os.environ.update({**worker_environment(config, settings), **_AGENT_ENVIRONMENT})
     for key, value in _signals.agent_environment().items():
         os.environ.setdefault(key, value)
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher

@@ -1,8 +1,8 @@
 """Run a parsed `accel` command line: the subcommand's module is imported only when it runs.
 
 The parser and the entry point are `accel_cli`'s (`accel_cli.main` parses, then calls `run`);
-this package imports only `accel_cli._setting` from it (the settings table's row type, which
-imports nothing of accel's), so the two packages form no circle.
+this package imports nothing from it, so the two packages form no circle: both read the
+settings table from `accel_settings`, which imports neither.
 """
 
 from __future__ import annotations

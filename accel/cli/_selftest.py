@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from accel._settings.table import KEYS
 from accel.cli import _launch
+from accel_settings import KEYS
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,8 @@
 """User settings: YAML config files (accel's or Accelerate's) and the `ACCEL_*` variables.
 
 This package and `accel.distributed` are the only places accel reads `os.environ`. Every
-setting is declared once in the settings table (`_table.TABLE`: the core keys in
-`accel/config/_settings.py`, each strategy's section in its package, e.g.
-`accel/parallel/_settings_fsdp.py`), with its YAML key, flag, value type, default, RunContext
+setting is declared once, as a row of the settings table (the `accel_settings` package, which
+the `accel` command reads too), with its YAML key, flag, value type, default, RunContext
 field, `ACCEL_*` variable and the variable Accelerate's launcher exports; reading a config,
 writing and reading the workers' variables and Accelerate's are loops over it. `accel launch`
 passes its settings to the processes it starts through these variables, and `init_distributed`
@@ -19,10 +18,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-# The table and its loops; accel's other packages import them from these private modules.
-from accel._settings.table import KEYS, SECTIONS, build, read_environment
-from accel._settings.values import Section, parse
+from accel._settings.table import build, read_environment
 from accel._typing import Precision
+from accel_settings import KEYS, SECTIONS
+from accel_settings.values import Section, parse
 
 __all__ = ["Config", "default_config_path", "load_config"]
 
@@ -117,6 +116,27 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
     Raises:
         ValueError: for an unknown key or a bad value, naming both.
     """
+    return read_launch(data, origin=origin)[0]
+
+
+def read_launch(data: Mapping[str, Any], *, origin: str) -> tuple[Config, dict[str, Any]]:
+    """The `Config` a mapping of config keys describes, and the RunContext values it asks for,
+    each section's read once: what `accel launch` hands its workers, refused here if bad."""
+    config = parse_keys(data, origin)
+    if config.machine_rank >= config.num_machines:
+        raise ValueError(
+            f"{origin}: machine_rank={config.machine_rank} must be below "
+            f"num_machines={config.num_machines}."
+        )
+    settings = build(config)  # every section checked here, not in each worker
+    if "parallelism" in settings:
+        settings["parallelism"].resolve(config.num_processes)
+    return config, settings
+
+
+def parse_keys(data: Mapping[str, Any], origin: str) -> Config:
+    """The `Config` of a mapping: every key known, every top-level value read by its row;
+    the sections are read by `build` (or `read_launch`)."""
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key in _IGNORED_KEYS:
@@ -127,16 +147,7 @@ def parse_config(data: Mapping[str, Any], *, origin: str = "config") -> Config:
                 "(or a key of Accelerate's that accel ignores). Remove or rename it."
             )
         values[key] = parse_value(key, value)
-    config = Config(**values)
-    if config.machine_rank >= config.num_machines:
-        raise ValueError(
-            f"{origin}: machine_rank={config.machine_rank} must be below "
-            f"num_machines={config.num_machines}."
-        )
-    sizes = build(config).get("parallelism")  # every section checked here, not in each worker
-    if sizes is not None:
-        sizes.resolve(config.num_processes)
-    return config
+    return Config(**values)
 
 
 def default_config_path() -> Path:
@@ -231,6 +242,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         >>> load_config(p).mixed_precision
         'fp32'
     """
+    return parse_config(read_yaml(path), origin=str(Path(path)))
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping a YAML config file holds (errors name the file); `load_config` reads it."""
     file = Path(path)
     if file.is_dir():
         raise ValueError(
@@ -262,7 +278,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             f"load_config: {str(file)!r} must hold a mapping of keys to values, "
             f"not a {type(data).__name__}."
         )
-    return parse_config(data, origin=str(file))
+    return data
 
 
 def config_settings(config: Config, source: str) -> dict[str, tuple[Any, str]]:
@@ -282,9 +298,10 @@ def env_settings(
     return read_environment(environ, fn)
 
 
-def check_launch_environment(config: Config) -> None:
+def check_launch_environment(config: Config, settings: Mapping[str, Any] | None = None) -> None:
     """Check this launcher's `ACCEL_*` variables as `init_distributed` will read them in each
     worker, so a bad value is refused before any process starts, as the same flag would be.
+    `settings` are what the config asks for (`read_launch`'s), read again when not given.
 
     Raises:
         ValueError: for a value `init_distributed` would refuse, mesh sizes that do not fill
@@ -296,7 +313,7 @@ def check_launch_environment(config: Config) -> None:
         return
     sizes, source = found["parallelism"]
     variables = source.removeprefix("env ")
-    configured = build(config).get("parallelism")
+    configured = (build(config) if settings is None else settings).get("parallelism")
     if configured is not None and configured != sizes:
         raise ValueError(
             f"accel launch: {variables} set the mesh to {sizes}, and the config or flags set "
@@ -346,10 +363,11 @@ def resolve_settings(
     settings["seed"] = (None, "default")
     if config is None and ENV_CONFIG_FILE in environ:
         config = environ[ENV_CONFIG_FILE]
-    if config is not None:
-        parsed = config if isinstance(config, Config) else load_config(config)
-        label = "config" if isinstance(config, Config) else f"config {config}"
-        settings.update(config_settings(parsed, label))
+    if isinstance(config, Config):
+        settings.update(config_settings(config, "config"))
+    elif config is not None:
+        found = read_launch(read_yaml(config), origin=str(Path(config)))[1]
+        settings.update({name: (value, f"config {config}") for name, value in found.items()})
     settings.update(env_settings(environ))
     for name, value in arguments.items():
         if value is not None:

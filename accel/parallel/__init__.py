@@ -13,14 +13,21 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._options import CompileMode, FSDPOptions, check_compile
+from accel._options import CompileMode, FSDPOptions
 from accel.context import RunContext
 from accel.parallel import _float8, _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions, apply_ddp
 from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
-from accel.parallel._plan import WrapPlan, WrapStrategy, agree_group, is_wrapped, make_plan
+from accel.parallel._plan import (
+    WrapPlan,
+    WrapStrategy,
+    agree_group,
+    deepspeed_plan,
+    is_wrapped,
+    make_plan,
+)
 from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
 
 __all__ = [
@@ -71,16 +78,16 @@ def wrap_model(
         strategy: "auto", "none", "ddp" or "fsdp2".
         tp_plan: module-name patterns ('*' is one name segment) to "colwise", "rowwise" or a
             torch ParallelStyle; or "auto" for a Hugging Face model's `base_model_tp_plan`.
-        fsdp: FSDP2 options (layer classes, reshard, mixed precision); default `ctx.fsdp`, the
-            launcher config's.
+        fsdp: FSDP2 options (layer classes, reshard, mixed precision); default `ctx.wrap.fsdp`,
+            the launcher config's.
         ddp: DistributedDataParallel options and its communication hook (`comm_hook`).
         compile: False, True (whole model, last) or "regional" (each repeated block, before
-            sharding); default `ctx.compile`. Traced with `dynamic=ctx.compile_dynamic`.
+            sharding); default `ctx.wrap.compile`. Traced with `dynamic=ctx.wrap.compile_dynamic`.
         activation_checkpointing: recompute blocks' activations in backward (non-reentrant
             `torch.utils.checkpoint`), under any strategy: True for each repeated block (the
             FSDP layer classes when given, else the members of each nn.ModuleList of one
             class), a tuple of block classes (or class names), or False; default
-            `ctx.activation_checkpointing`, the launcher config's.
+            `ctx.wrap.activation_checkpointing`, the launcher config's.
         fp8: which Linear layers torchao's float8 training converts when
             `ctx.precision == "fp8"` (before tensor parallel and FSDP2); default
             `Float8Options()`: dims multiples of 16, large enough to gain from float8
@@ -125,48 +132,23 @@ def wrap_model(
             f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
             "once (accel.unwrap_model(model) returns it)."
         )
-    if strategy == "auto" and ctx.deepspeed is not None:
-        strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
-    if strategy == "deepspeed" or (deepspeed is not None and deepspeed.config is not None):
-        return _wrap_deepspeed(ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8)
+    ds = deepspeed_plan(ctx, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8)
+    if ds is not None:
+        from accel.parallel import _deepspeed  # on use: it imports deepspeed
+
+        return _deepspeed.apply_deepspeed(ctx, model, ds)
     plan = make_plan(
         ctx,
         model,
         strategy=strategy,
         tp_plan=tp_plan,
-        fsdp=fsdp if fsdp is not None else ctx.fsdp,
+        fsdp=fsdp,
         ddp=ddp,
-        compile=check_compile("wrap_model", ctx.compile if compile is None else compile),
+        compile=compile,
         activation_checkpointing=activation_checkpointing,
     )
     fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
     return _apply(ctx, model, plan, fp8_plan)
-
-
-def _wrap_deepspeed(
-    ctx: RunContext, model: nn.Module, strategy: str, options: Any, *others: Any
-) -> nn.Module:
-    """strategy="deepspeed": the engine is the whole wrapper; other strategies' options refused."""
-    if strategy != "deepspeed" or not isinstance(options, DeepSpeedOptions):
-        raise ValueError(
-            f"wrap_model: strategy={strategy!r} with deepspeed={options!r}; DeepSpeed needs "
-            "both: strategy='deepspeed' (or 'auto' under a DeepSpeed launch), "
-            "deepspeed=accel.DeepSpeedOptions(config=..., optimizer=...)."
-        )
-    if options.config is None and ctx.deepspeed is None:
-        raise ValueError(
-            "wrap_model: DeepSpeedOptions(config=None) takes the launcher's DeepSpeed config, "
-            "and ctx.deepspeed is None (not launched with distributed_type DEEPSPEED); pass "
-            "config={'zero_stage': 2} (or a DeepSpeed JSON), or launch with --use_deepspeed."
-        )
-    if any(o is not None for o in others):
-        raise ValueError(
-            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile= or fp8= "
-            "options (the DeepSpeed config says how the engine shards); drop them."
-        )
-    from accel.parallel import _deepspeed  # on use: it imports deepspeed
-
-    return _deepspeed.apply_deepspeed(ctx, model, options)
 
 
 def _apply(
@@ -185,7 +167,7 @@ def _apply(
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
     _fsdp.checkpoint_activations(list(plan.checkpointed))
     for block in plan.compiled:  # regional: each block in place, one graph reused per block
-        block.compile(dynamic=ctx.compile_dynamic)
+        block.compile(dynamic=plan.compile_dynamic)
     wrapped = model
     if plan.data == "fsdp2":
         wrapped = _fsdp.apply_fsdp2(
@@ -200,7 +182,7 @@ def _apply(
         if id(q) not in current:
             setattr(q, REPLACED, True)
     if plan.compile_whole:
-        wrapped = torch.compile(wrapped, dynamic=ctx.compile_dynamic)  # type: ignore[assignment]
+        wrapped = torch.compile(wrapped, dynamic=plan.compile_dynamic)  # type: ignore[assignment]
     return wrapped
 
 

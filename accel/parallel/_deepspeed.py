@@ -22,7 +22,7 @@ def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions
     config, init_flag = resolve_config(
         ctx,
         model,
-        options.config if options.config is not None else dict(ctx.deepspeed or ()),
+        options.config,  # wrap_model's plan filled in the launcher's when none was given
         micro_batch_size=options.micro_batch_size,
         client_opt=options.optimizer is not None,
     )

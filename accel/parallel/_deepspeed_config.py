@@ -1,7 +1,8 @@
 """The DeepSpeed config the engine is built with: read, translated, "auto" filled, checked.
 
 Pure: no deepspeed import. A config is a DeepSpeed JSON (a dict or a path) or Accelerate's
-`deepspeed_config` section (`zero_stage`, `offload_optimizer_device`, ...); "auto" values are
+`deepspeed_config` section (its values read by the settings table's rows, as the launcher reads
+them) (`zero_stage`, `offload_optimizer_device`, ...); "auto" values are
 filled from the context as Accelerate's `DeepSpeedPlugin` and `_prepare_deepspeed` fill them,
 and a value that contradicts the context is an error naming both.
 
@@ -21,19 +22,11 @@ from typing import Any
 
 from torch import nn
 
-from accel._settings.table import SECTIONS, section_keys
-from accel._settings.values import parse
 from accel.context import RunContext
+from accel_settings import SECTIONS, section_keys
+from accel_settings.values import typed_section
 
 ACCELERATE_KEYS = frozenset(section_keys("deepspeed_config"))
-# Keys of the section that only Accelerate's multi-node `deepspeed` launcher reads; accel
-# launches through torchrun, so a value other than Accelerate's default is refused.
-_LAUNCHER_KEYS = (
-    ("deepspeed_multinode_launcher", "standard"),
-    ("deepspeed_hostfile", None),
-    ("deepspeed_exclusion_filter", None),
-    ("deepspeed_inclusion_filter", None),
-)
 # What Accelerate's plugin maps each section key to in the DeepSpeed JSON.
 _SECTION_TO_JSON = (
     ("gradient_accumulation_steps", "gradient_accumulation_steps"),
@@ -92,20 +85,9 @@ def _from_section(section: dict[str, Any]) -> tuple[dict[str, Any], bool]:
             f"wrap_model: deepspeed_config keys {unknown} are not Accelerate's; expected some of "
             f"{sorted(ACCELERATE_KEYS)}. Fix the section, or pass a DeepSpeed JSON instead."
         )
-    for key, default in _LAUNCHER_KEYS:
-        if section.get(key, default) not in (default, None, "none", ""):
-            raise NotImplementedError(
-                f"wrap_model: deepspeed_config {key}={section[key]!r} configures Accelerate's "
-                "multi-node `deepspeed` launcher; accel launches through torchrun. Remove it "
-                "and launch each node with `accel launch --num_machines ... --machine_rank ...`."
-            )
-    if section.get("deepspeed_moe_layer_cls_names"):
-        raise NotImplementedError(
-            "wrap_model: deepspeed_config deepspeed_moe_layer_cls_names="
-            f"{section['deepspeed_moe_layer_cls_names']!r} (ZeRO-3 MoE leaf modules) is not "
-            "supported by accel; remove it."
-        )
-    section = {k: _typed(k, v) for k, v in section.items()}
+    # Each value read by its row of the settings table, as `accel launch` read the launcher's
+    # (a flag's "3" is 3; a bad value, or a key only Accelerate's launcher reads, is refused).
+    section = typed_section(SECTIONS["deepspeed_config"], section, fn="wrap_model")
     init_flag = bool(section.get("zero3_init_flag", False))
     file = section.get("deepspeed_config_file")
     if file not in (None, "none", ""):
@@ -141,15 +123,6 @@ def _from_section(section: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         "zero_optimization": zero,
     }
     return config, init_flag
-
-
-def _typed(key: str, value: Any) -> Any:
-    """A section value as YAML gives it, from an `accel launch` flag's string ("3", "true"),
-    parsed by the settings table's parser of the key's type."""
-    kind = next(s.kind for s in SECTIONS["deepspeed_config"].settings if s.key == key)
-    if not isinstance(value, str) or value == "auto" or kind == "any":
-        return value
-    return parse(kind, key, value, fn="wrap_model: deepspeed_config")
 
 
 def _node(config: dict[str, Any], path: str) -> tuple[dict[str, Any] | None, str]:

@@ -2,11 +2,13 @@
 
 `make_plan` reads the context, the arguments and the model (its module names, block classes,
 shapes) and returns a frozen `WrapPlan`, or raises; nothing is moved, split or wrapped until a
-plan exists, so a bad argument never leaves a half-wrapped model behind.
+plan exists, so a bad argument never leaves a half-wrapped model behind. The launcher's
+choices (`ctx.wrap`) are read here and only here: an argument left None takes its default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,11 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
 from accel._mesh import check_cp
-from accel._options import CompileMode, FSDPOptions
+from accel._options import CompileMode, FSDPOptions, check_compile
 from accel._parallelism import Parallelism
 from accel.context import RunContext
 from accel.parallel import _fsdp, _start, _tp
 from accel.parallel._ddp import DDPOptions
+from accel.parallel.deepspeed import DeepSpeedOptions
 
 WrapStrategy = Literal["auto", "none", "ddp", "fsdp2", "deepspeed"]
 """What `wrap_model` applies: "auto" follows ctx.parallelism; the others force one wrapper."""
@@ -47,6 +50,8 @@ class WrapPlan:
     """Blocks compiled one by one (compile="regional")."""
     compile_whole: bool
     """torch.compile the wrapped model last (compile=True)."""
+    compile_dynamic: bool | None
+    """torch.compile's `dynamic=` for what is compiled (regional blocks or the whole model)."""
     fsdp: FSDPOptions
     """FSDP2's options (used when data is "fsdp2")."""
     fsdp_layers: tuple[nn.Module, ...]
@@ -81,10 +86,18 @@ def make_plan(
     tp_plan: Any,
     fsdp: FSDPOptions | None,
     ddp: DDPOptions | None,
-    compile: CompileMode,
+    compile: CompileMode | None,
     activation_checkpointing: bool | Blocks | None,
 ) -> WrapPlan:
-    """Validate every argument against the context and the model; decide every step."""
+    """Validate every argument against the context and the model; decide every step. An
+    argument that is None takes the launcher's choice, `ctx.wrap`'s."""
+    defaults = ctx.wrap
+    fsdp = defaults.fsdp if fsdp is None else fsdp
+    compile = check_compile("wrap_model", defaults.compile if compile is None else compile)
+    if activation_checkpointing is None:  # the launcher's, or the deprecated FSDPOptions field
+        activation_checkpointing = defaults.activation_checkpointing or bool(
+            fsdp is not None and fsdp.activation_checkpointing
+        )
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
     # Before anything that needs the mesh or the group: a context built by hand may have
     # neither, and the argument at fault is the one to name.
@@ -98,7 +111,7 @@ def make_plan(
         styles = _tp.resolve_plan(model, raw, p.tp)
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
-    checkpointed = _checkpointed(ctx, model, activation_checkpointing, options, blocks)
+    checkpointed = _checkpointed(model, activation_checkpointing, blocks)
     if compile == "regional" and not blocks:
         raise ValueError(
             f"wrap_model: compile='regional' compiles each repeated block, and "
@@ -130,12 +143,46 @@ def make_plan(
         checkpointed=tuple(checkpointed),
         compiled=tuple(blocks) if compile == "regional" else (),
         compile_whole=compile is True,
+        compile_dynamic=defaults.compile_dynamic,
         fsdp=options,
         fsdp_layers=tuple(layers),
         fsdp_mesh=_fsdp_mesh(ctx, p) if data == "fsdp2" else None,
         ddp=ddp or DDPOptions(),
         ddp_group=_ddp_group(ctx) if data == "ddp" else None,
     )
+
+
+def deepspeed_plan(
+    ctx: RunContext, strategy: WrapStrategy, options: Any, *others: Any
+) -> DeepSpeedOptions | None:
+    """The options DeepSpeed's engine is built from (its config the launcher's when none is
+    given), or None when wrap_model applies no DeepSpeed; `others` are the options of the
+    other strategies (fsdp=, ddp=, tp_plan=, compile=, fp8=), refused beside DeepSpeed."""
+    if strategy == "auto" and ctx.wrap.deepspeed is not None:
+        strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
+    if strategy != "deepspeed" and (options is None or options.config is None):
+        return None
+    if strategy != "deepspeed" or not isinstance(options, DeepSpeedOptions):
+        raise ValueError(
+            f"wrap_model: strategy={strategy!r} with deepspeed={options!r}; DeepSpeed needs "
+            "both: strategy='deepspeed' (or 'auto' under a DeepSpeed launch), "
+            "deepspeed=accel.DeepSpeedOptions(config=..., optimizer=...)."
+        )
+    if options.config is None and ctx.wrap.deepspeed is None:
+        raise ValueError(
+            "wrap_model: DeepSpeedOptions(config=None) takes the launcher's DeepSpeed config, "
+            "and ctx.wrap.deepspeed is None (not launched with distributed_type DEEPSPEED); "
+            "pass config={'zero_stage': 2} (or a DeepSpeed JSON), or launch with "
+            "--use_deepspeed."
+        )
+    if any(o is not None for o in others):
+        raise ValueError(
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile= or fp8= "
+            "options (the DeepSpeed config says how the engine shards); drop them."
+        )
+    if options.config is not None:
+        return options
+    return dataclasses.replace(options, config=dict(ctx.wrap.deepspeed or ()))
 
 
 def _choose(
@@ -221,15 +268,9 @@ def _choose(
 
 
 def _checkpointed(
-    ctx: RunContext,
-    model: nn.Module,
-    value: bool | Blocks | None,
-    options: FSDPOptions,
-    blocks: list[nn.Module],
+    model: nn.Module, value: bool | Blocks, blocks: list[nn.Module]
 ) -> list[nn.Module]:
     """The blocks activation checkpointing recomputes: none, the repeated blocks, or by class."""
-    if value is None:  # the launcher's setting, or the deprecated FSDPOptions field
-        value = ctx.activation_checkpointing or options.activation_checkpointing
     if value is False:
         return []
     if value is True:

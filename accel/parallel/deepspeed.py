@@ -44,7 +44,7 @@ class DeepSpeedOptions:
     """A DeepSpeed config (dict or JSON path), or Accelerate's `deepspeed_config` section
     (`zero_stage`, `offload_optimizer_device`, ..., `deepspeed_config_file`). "auto" values are
     filled from the context (precision, accumulation, batch sizes, clipping). None: the
-    launcher's (`ctx.deepspeed`, from `accel launch` with a DeepSpeed YAML or flags)."""
+    launcher's (`ctx.wrap.deepspeed`, from `accel launch` with a DeepSpeed YAML or flags)."""
     optimizer: torch.optim.Optimizer | None = None
     """Your optimizer over the model's parameters; None when the config has an optimizer."""
     micro_batch_size: int | None = None

@@ -17,7 +17,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from accel._settings.tracker_names import check_tracker_name
 from accel.context import RunContext
 from accel.tracking._files import JSONLTracker, TensorBoardTracker
 from accel.tracking._progress import progress
@@ -28,6 +27,7 @@ from accel.tracking._registry import (
     resolve,
 )
 from accel.tracking._services import MLflowTracker, TrackioTracker, WandbTracker
+from accel_settings.tracker_names import check_tracker_name
 
 __all__ = [
     "BUILTIN_TRACKERS",

@@ -15,9 +15,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from accel._settings.tracker_names import BUILTIN_TRACKER_NAMES
 from accel.tracking._files import JSONLTracker, TensorBoardTracker
 from accel.tracking._services import MLflowTracker, TrackioTracker, WandbTracker
+from accel_settings.tracker_names import BUILTIN_TRACKER_NAMES
 
 
 class TrackerFactory(Protocol):

@@ -454,8 +454,8 @@ def test_launch_help_groups_flags_as_accelerate_and_lists_each_once(tmp_path: Pa
 
 
 def test_launch_flags_cover_every_accelerate_section_key() -> None:
-    from accel._settings.table import SECTIONS, section_keys
     from accel_cli import _options, build_parser
+    from accel_settings import SECTIONS, section_keys
 
     options = set(_options(build_parser(["launch"])))
     for name in SECTIONS:

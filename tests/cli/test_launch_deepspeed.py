@@ -44,7 +44,7 @@ for step in range(6):
     losses.append(accel.reduce(ctx, loss.detach(), op="mean").item())
 with open(f"{sys.argv[1]}/{ctx.rank}.json", "w") as f:
     json.dump({"losses": losses, "engine": accel.deepspeed_engine(model) is not None,
-               "accum": ctx.grad_accum_steps, "deepspeed": ctx.deepspeed}, f)
+               "accum": ctx.grad_accum_steps, "deepspeed": ctx.wrap.deepspeed}, f)
 accel.shutdown(ctx)
 """
 

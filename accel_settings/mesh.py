@@ -1,14 +1,15 @@
 """The mesh section of the settings table: Accelerate's `parallelism_config` keys (and accel's
 pipeline size), `Parallelism` in RunContext, the `ACCEL_*_SIZE` variables.
 
-Declarations import only the standard library and `accel_cli._setting`; see _settings_fsdp.
+A size is one `_size` row: its `part` is the `Parallelism` field it sets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from accel_cli._setting import Section, Setting
+from accel_settings._rows import Section, Setting
 
 
 def _size(dim: str, help: str, *flags: str) -> Setting:
@@ -18,30 +19,10 @@ def _size(dim: str, help: str, *flags: str) -> Setting:
                    help=help)  # fmt: skip
 
 
-def _build(config: Any) -> dict[str, Any]:
-    from accel._parallelism import Parallelism  # on use
-    from accel._settings.values import allow, known, parse  # on use
-
-    values = known(config, SECTION)
-    strategy = values.pop("parallelism_config_cp_comm_strategy", "allgather")
-    allow("parallelism_config_cp_comm_strategy", strategy, ("allgather",),
-          "torch's context_parallel rotates by all-gather here")  # fmt: skip
-    parts = {
-        str(s.part): parse(s.kind, s.key, values[s.key])
-        for s in SECTION.settings
-        if s.key in values
-    }
-    if parts:
-        return {"parallelism": Parallelism(**parts)}
-    if config.distributed_type == "FSDP":
-        return {"parallelism": Parallelism(dp_shard=-1)}  # Accelerate's FSDP shards over all
-    return {}
-
-
-def _compose(field: str, parts: dict[str, Any]) -> Any:
-    from accel._parallelism import Parallelism  # on use
-
-    return Parallelism(**parts)
+def _rules(values: Mapping[str, Any], found: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    if "parallelism" not in found and config.distributed_type == "FSDP":
+        return {"parallelism": {"dp_shard": -1}}  # Accelerate's FSDP shards over every rank
+    return dict(found)
 
 
 SECTION = Section(
@@ -51,8 +32,7 @@ SECTION = Section(
     order=60,
     accelerate_switch=(("ACCELERATE_USE_PARALLELISM_CONFIG", "true"),),
     active=lambda config: bool(config.parallelism_config),
-    build=_build,
-    compose=_compose,
+    rules=_rules,
     settings=(
         _size("pp", "pipeline stages (accel's key: Accelerate has no pipeline size)"),
         _size("dp_replicate", "replicas (DDP, or HSDP's outer dimension)"),
@@ -61,6 +41,7 @@ SECTION = Section(
         _size("tp", "tensor-parallel size", "tp_size"),
         Setting(key="parallelism_config_cp_comm_strategy", kind="any",
                 accelerate_env="PARALLELISM_CONFIG_CP_COMM_STRATEGY",
+                allowed=(("allgather",), "torch's context_parallel rotates by all-gather here"),
                 help="allgather (torch's context_parallel rotation)"),
     ),
 )  # fmt: skip

@@ -1,6 +1,7 @@
 """One parser per value type of the settings table (a `Setting.kind`), and its spelling in a
 variable. Each parser takes what YAML gives (booleans, ints) or the text of a flag or an
 `ACCEL_*` variable ("true", "2"), and refuses anything else naming the key and what is allowed.
+The launcher and the workers read every value through these parsers: one set of rules.
 """
 
 from __future__ import annotations
@@ -9,13 +10,31 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, cast, get_args
+from typing import Any, Literal, TypeAlias, cast, get_args
 
-from accel._options import check_compile
-from accel._settings.tracker_names import check_tracker_name
-from accel._typing import Precision
+from accel_settings._rows import Section as Rows
+from accel_settings.tracker_names import check_tracker_name
 
 Section = tuple[tuple[str, Any], ...]
+"""A YAML section as sorted (key, value) pairs: immutable, and in one order."""
+
+Precision: TypeAlias = Literal["fp32", "bf16", "fp16", "fp8"]
+"""Mixed-precision mode: fp32 weights always; bf16/fp16 name the autocast compute dtype; fp8
+is torchao's float8 training of the Linear layers with bf16 autocast around the rest."""
+
+CompileMode = Literal[False, True, "regional"]
+"""What wrap_model compiles: nothing, the whole model, or each repeated block."""
+
+
+def check_compile(fn: str, value: Any, *, name: str = "compile") -> CompileMode:
+    """The one validator of a compile setting: False, True or "regional" (not 0, 1 or "yes")."""
+    if value is False or value is True or value == "regional":
+        return cast(CompileMode, value)
+    raise ValueError(
+        f"{fn}: {name}={value!r} must be False, True or 'regional'; False does not compile, "
+        "True compiles the whole model, 'regional' each repeated block. Use compile=True."
+    )
+
 
 # Accelerate's `distributed_type` values that accel runs, and the ones it refuses with a reason.
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
@@ -225,6 +244,22 @@ def _choice(allowed: tuple[str, ...]) -> Callable[[str, str, Any], str]:
     return parse
 
 
+def _auto(parse: Callable[[str, str, Any], Any]) -> Callable[[str, str, Any], Any]:
+    """`parse`, or "auto" (DeepSpeed fills it from the run)."""
+
+    def parse_or_auto(fn: str, key: str, value: Any) -> Any:
+        return "auto" if value == "auto" else parse(fn, key, value)
+
+    return parse_or_auto
+
+
+def _zero_stage(fn: str, key: str, value: Any) -> int:
+    stage = _integer(fn, key, value, 0)
+    if stage > 3:
+        raise ValueError(f"{fn}: {key}={value!r} is not a ZeRO stage; expected 0, 1, 2 or 3.")
+    return stage
+
+
 PARSERS: Mapping[str, Callable[[str, str, Any], Any]] = MappingProxyType(
     {
         "bool": _bool,
@@ -246,7 +281,11 @@ PARSERS: Mapping[str, Callable[[str, str, Any], Any]] = MappingProxyType(
         "section": _section,
         "json_section": _json_section,
         "compile": _compile,
-        "any": lambda fn, k, v: v,  # checked by its section's code (fsdp_version, zero_stage)
+        "zero_stage": _zero_stage,
+        "offload_device": _choice(("none", "cpu", "nvme")),
+        "auto_count": _auto(lambda fn, k, v: _integer(fn, k, v, 1)),
+        "auto_float": _auto(_float),
+        "any": lambda fn, k, v: v,  # checked by its row's `allowed` or its section's rules
     }
 )
 
@@ -279,32 +318,34 @@ def spell(kind: str, value: Any) -> str:
     return str(value).removeprefix("torch.")  # a dtype by its name: "bfloat16"
 
 
-def refuse(key: str, value: Any, why: str) -> None:
+def refuse(key: str, value: Any, why: str, *, fn: str = "config") -> None:
     """Refuse a value accel cannot honour, naming the key and the reason."""
-    raise NotImplementedError(f"config: {key}={value!r} is not supported: {why}.")
+    raise NotImplementedError(f"{fn}: {key}={value!r} is not supported: {why}.")
 
 
-def allow(key: str, value: Any, allowed: tuple[Any, ...], why: str) -> None:
+def allow(key: str, value: Any, allowed: tuple[Any, ...], why: str, *, fn: str = "config") -> None:
     """Refuse `value` unless it spells one of `allowed` (case-insensitive)."""
     if str(value).lower() not in {str(a).lower() for a in allowed}:
-        refuse(key, value, why)
+        refuse(key, value, why, fn=fn)
 
 
-def known(config: Any, section: Any, strategy: tuple[str, str] | None = None) -> dict[str, Any]:
-    """`section`'s values in `config` as a dict, refusing a key the table does not declare; for
-    a strategy's section, `strategy` (its distributed_type, its flag) refuses values given to a
-    run of another type."""
+def typed_section(section: Rows, pairs: Any, *, fn: str = "config") -> dict[str, Any]:
+    """A YAML section's values (a mapping or pairs), each read by its row's parser and checked
+    against its row's `allowed`; a key the section does not declare is refused."""
+    values = dict(pairs)
     keys = tuple(s.key for s in section.settings if s.key is not None)
-    values = dict(getattr(config, section.name))
-    for key in values:
+    typed: dict[str, Any] = {}
+    prefix = section.key_prefix
+    for given, value in values.items():
+        key = given if given in keys or not prefix else f"{prefix}{given}"
         if key not in keys:
+            known = sorted(k.removeprefix(prefix) for k in keys)
             raise ValueError(
-                f"config: {section.name} has unknown key {key!r}; accel knows {sorted(keys)}. "
+                f"{fn}: {section.name} has unknown key {given!r}; accel knows {known}. "
                 "Remove it, or rename it to one of those."
             )
-    if strategy is not None and values and config.distributed_type != strategy[0]:
-        raise ValueError(
-            f"config: {section.name} is given but distributed_type={config.distributed_type!r}; "
-            f"set distributed_type: {strategy[0]} (or {strategy[1]}), or remove {section.name}."
-        )
-    return values
+        row = section.row(key)
+        if row.allowed is not None:
+            allow(key, value, *row.allowed, fn=fn)
+        typed[key] = parse(row.kind, key, value, fn=fn)
+    return typed

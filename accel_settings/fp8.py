@@ -1,16 +1,19 @@
 """The fp8 section of the settings table: Accelerate's `fp8_config` keys, each honoured (checked
 against what `wrap_model` does under precision "fp8") or refused by name.
 
-Declarations import only the standard library and `accel_cli._setting`; see _settings_fsdp.
-YAML spells the keys bare (`backend: AO`), `accelerate launch` with the fp8_ prefix.
+YAML spells the keys bare (`backend: AO`), `accelerate launch` with the fp8_ prefix. Nothing
+reaches the workers from here: precision "fp8" does, and the rest is refused or at the value
+wrap_model applies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from accel_cli._setting import Section, Setting
+from accel_settings._rows import Section, Setting
+from accel_settings.values import parse
 
 FP8_KEYS = (
     "fp8_backend", "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval", "fp8_format",
@@ -33,9 +36,9 @@ _HELP = MappingProxyType(
 )
 
 
-def _build(config: Any) -> dict[str, Any]:
+def _rules(values: Mapping[str, Any], found: Mapping[str, Any], config: Any) -> dict[str, Any]:
     check_fp8_config(config.mixed_precision, config.fp8_config)
-    return {}
+    return dict(found)
 
 
 def check_fp8_config(precision: str, pairs: tuple[tuple[str, Any], ...]) -> None:
@@ -82,15 +85,12 @@ def _check_fp8_key(name: str, value: Any) -> None:
             f"config: fp8_config opt_level={value!r} is an MS-AMP setting, and accel trains fp8 "
             "through torchao. Remove it."
         )
-    else:
-        from accel._settings.values import parse  # on use: the command line reads this file
-
-        if parse("bool", f"fp8_config {name}", value) != _DEFAULT_ONLY[name]:
-            field = name.removeprefix("fp8_")
-            raise NotImplementedError(
-                f"config: fp8_config {field}={value!r} cannot reach wrap_model from a config; "
-                f"pass it in code: wrap_model(ctx, model, fp8=Float8Options({field}=False))."
-            )
+    elif parse("bool", f"fp8_config {name}", value) != _DEFAULT_ONLY[name]:
+        field = name.removeprefix("fp8_")
+        raise NotImplementedError(
+            f"config: fp8_config {field}={value!r} cannot reach wrap_model from a config; "
+            f"pass it in code: wrap_model(ctx, model, fp8=Float8Options({field}=False))."
+        )
 
 
 SECTION = Section(
@@ -100,7 +100,8 @@ SECTION = Section(
     order=70,
     accelerate_switch=(("ACCELERATE_FP8_BACKEND", "AO"),),  # the only backend accel trains with
     active=lambda config: config.mixed_precision == "fp8",
-    build=_build,
+    key_prefix="fp8_",
+    rules=_rules,
     settings=tuple(
         Setting(key=key, kind="any",
                 help=_HELP.get(key, "refused: a Transformer Engine setting"))

@@ -1,15 +1,15 @@
 """The core section of the settings table: the top-level keys of a launch config.
 
-Declarations only (the standard library and `accel_cli._setting`): the `accel` command reads
-this file without importing accel. Strategies declare their sections in their own packages
-(`accel/parallel/_settings_*.py`); `accel/_settings/table.py` turns them all into behaviour.
+Each row with a `field` reaches that field of every worker's RunContext by itself; the one rule
+here is the value no single row gives (use_cpu puts every worker on the CPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from accel_cli._setting import Section, Setting
+from accel_settings._rows import Section, Setting
 
 HARDWARE = "Hardware Selection Arguments"
 RESOURCES = "Resource Selection Arguments"
@@ -17,19 +17,8 @@ DISTRIBUTED = "Distributed GPUs"
 TRAINING = "Training Settings (accel)"
 
 
-def _build(config: Any) -> dict[str, Any]:
-    """The RunContext values of the top-level keys (the sections add theirs)."""
-    found: dict[str, Any] = {
-        "precision": config.mixed_precision,
-        "grad_accum_steps": config.gradient_accumulation_steps,
-    }
-    if config.seed is not None:
-        found["seed"] = config.seed
-    if config.log_with:
-        found["log_with"] = config.log_with
-    if config.use_cpu:
-        found["device"] = "cpu"
-    return found
+def _rules(values: Mapping[str, Any], found: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    return {**found, "device": "cpu"} if values["use_cpu"] else dict(found)
 
 
 SECTION = Section(
@@ -37,7 +26,7 @@ SECTION = Section(
     title=TRAINING,
     description="Settings recorded in every process's RunContext.",
     order=100,  # listed last in `accel launch --help`, as before the table
-    build=_build,
+    rules=_rules,
     settings=(
         Setting(key="distributed_type", kind="distributed_type", default="NO", flag=False,
                 help="Accelerate's run kind: NO, MULTI_CPU, MULTI_GPU, FSDP or DEEPSPEED"),

@@ -1,17 +1,16 @@
 """The FSDP section of the settings table: Accelerate's `fsdp_config` keys and `FSDPOptions`.
 
-Declarations import only the standard library and `accel_cli._setting` (the `accel` command
-reads this file without importing accel); the section's code imports accel where it runs.
-Each key is honoured (mapped to `FSDPOptions` or RunContext's `activation_checkpointing`) or
-refused by name with the reason and the fix; none is dropped.
+Each key is honoured (an `FSDPOptions` part, or `activation_checkpointing` of RunContext's
+`wrap`) or refused by name with the reason and the fix; none is dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from accel_cli._setting import Section, Setting
+from accel_settings._rows import Section, Setting
 
 # Keys accel accepts without a setting of its own: the values FSDP2 honours, and why.
 _FIXED = MappingProxyType(
@@ -41,7 +40,8 @@ _FIXED = MappingProxyType(
 
 
 def _fixed(key: str, help: str) -> Setting:
-    return Setting(key=key, kind="any", accelerate_env=key.upper(), help=help)
+    return Setting(key=key, kind="any", accelerate_env=key.upper(), help=help,
+                   allowed=_FIXED[key])  # fmt: skip
 
 
 def _option(key: str, part: str, help: str) -> Setting:
@@ -49,43 +49,15 @@ def _option(key: str, part: str, help: str) -> Setting:
                    accelerate_env=key.upper(), help=help)  # fmt: skip
 
 
-def _build(config: Any) -> dict[str, Any]:
-    from accel._options import FSDPOptions  # on use
-    from accel._settings.values import allow, known, parse  # on use
-
-    values = known(config, SECTION, ("FSDP", "--use_fsdp"))
+def _rules(values: Mapping[str, Any], found: Mapping[str, Any], config: Any) -> dict[str, Any]:
     if not values:
         return {}
-    options: dict[str, Any] = {}
-    found: dict[str, Any] = {}
-    for setting in SECTION.settings:
-        if setting.key not in values:
-            continue
-        value = values[setting.key]
-        if setting.key in _FIXED:
-            allowed, why = _FIXED[setting.key]
-            allow(setting.key, value, allowed, why)
-        elif setting.field == "fsdp" and setting.part != "layer_classes":
-            options[str(setting.part)] = parse(setting.kind, setting.key, value)
-        elif setting.field == "activation_checkpointing":
-            if parse("bool", setting.key, value):
-                found["activation_checkpointing"] = True
-        elif setting.kind == "bool":  # accel's sharded loading reads each rank's own slices
-            parse("bool", setting.key, value)
+    options = dict(found.get("fsdp", {}))  # an FSDP run gets FSDPOptions, its defaults or not
     if str(values.get("fsdp_sharding_strategy", "")).upper() == "SHARD_GRAD_OP":
         options.setdefault("reshard_after_forward", False)
-    names = values.get("fsdp_transformer_layer_cls_to_wrap")
-    wrap_policy = str(values.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
-    if names and wrap_policy != "NO_WRAP":
-        options["layer_classes"] = parse("class_names", "fsdp_transformer_layer_cls_to_wrap", names)
-    found["fsdp"] = FSDPOptions(**options)
-    return found
-
-
-def _compose(field: str, parts: dict[str, Any]) -> Any:
-    from accel._options import FSDPOptions  # on use
-
-    return FSDPOptions(**parts)
+    if str(values.get("fsdp_auto_wrap_policy", "")).upper() == "NO_WRAP":
+        options.pop("layer_classes", None)  # the root is the only unit
+    return {**found, "fsdp": options}
 
 
 SECTION = Section(
@@ -97,8 +69,8 @@ SECTION = Section(
     env_prefix="ACCEL_FSDP_",
     accelerate_switch=(("ACCELERATE_USE_FSDP", "true"), ("FSDP_VERSION", "2")),
     active=lambda config: config.distributed_type == "FSDP",
-    build=_build,
-    compose=_compose,
+    strategy=("FSDP", "--use_fsdp"),
+    rules=_rules,
     settings=(
         _fixed("fsdp_version", "FSDP version; accel shards with FSDP2 (2)"),
         _fixed("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP or NO_WRAP"),
