@@ -82,3 +82,29 @@ def test_sources_cannot_be_mutated_through_the_context() -> None:
     assert ctx.sources["precision"] == "argument"
     with pytest.raises(TypeError):
         ctx.sources["rank"] = "x"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "name", ["fsdp", "compile", "compile_dynamic", "activation_checkpointing", "deepspeed"]
+)
+def test_the_old_wrap_fields_are_refused_naming_their_new_spelling(name: str) -> None:
+    with pytest.raises(TypeError, match=rf"{name}= is now a field of `wrap`: write wrap=Wrap"):
+        RunContext(**{name: None})
+    with pytest.raises(TypeError, match=rf"{name}= is now a field of `wrap`"):
+        dataclasses.replace(RunContext(), **{name: None})
+    with pytest.raises(AttributeError, match=rf"write ctx\.wrap\.{name} "):
+        getattr(RunContext(), name)
+    assert not hasattr(RunContext(), "no_such_field")
+
+
+def test_wrap_defaults_are_one_checked_value() -> None:
+    from accel import WrapDefaults
+
+    ctx = RunContext(wrap=WrapDefaults(compile="regional", compile_dynamic=False))
+    assert (ctx.wrap.compile, ctx.wrap.compile_dynamic, ctx.wrap.fsdp) == ("regional", False, None)
+    line = next(s for s in ctx.describe().splitlines() if s.startswith("wrap"))
+    assert line.endswith("(constructed)") and "compile='regional'" in line
+    with pytest.raises(ValueError, match=r"WrapDefaults: compile='fast' must be False, True"):
+        WrapDefaults(compile="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"wrap=\{\} must be an accel.WrapDefaults"):
+        RunContext(wrap={})  # type: ignore[arg-type]

@@ -198,3 +198,18 @@ def test_a_section_value_overrides_the_top_level_one_it_refines() -> None:
     )  # fmt: skip
     assert build(config)["grad_accum_steps"] == 2
     assert _launch.worker_environment(config)["ACCEL_GRAD_ACCUM_STEPS"] == "2"
+
+
+def test_the_deepspeed_section_reaches_the_workers_as_the_launcher_read_it(
+    tmp_path: Path,
+) -> None:
+    flags = ["--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "cpu",
+             "--gradient_clipping", "0.5"]  # fmt: skip
+    config = _parse_flags(flags, tmp_path)
+    read = build(config)["deepspeed"]  # each flag's text read by its row: typed, checked
+    assert dict(read) == {"zero_stage": 3, "offload_optimizer_device": "cpu",
+                          "gradient_clipping": 0.5}  # fmt: skip
+    env = environment(build(config), config)
+    assert env_settings(env)["deepspeed"] == (read, "env ACCEL_DEEPSPEED_CONFIG")
+    with pytest.raises(ValueError, match=r"ACCEL_DEEPSPEED_CONFIG: zero_stage='x' must be an"):
+        env_settings({"ACCEL_DEEPSPEED_CONFIG": '{"zero_stage": "x"}'})
