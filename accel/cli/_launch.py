@@ -235,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
     trainer = uses_trainer(args.script, module=args.module)
-    accelerate_env, unreachable = accelerate_environment(config, trainer=trainer)
+    accelerate_env, unreachable = accelerate_environment(
+        config, trainer=trainer, has_gpu=_has_gpu()
+    )
     os.environ.update(accelerate_env)
     for line in unreachable:
         print(f"accel launch: warning: {line}", file=sys.stderr)
@@ -251,6 +253,13 @@ def run(args: argparse.Namespace) -> int:
         print(rendezvous_timeout_line(config, argv), file=sys.stderr)
         return 1
     return 0
+
+
+def _has_gpu() -> bool:
+    """Whether the workers will find a CUDA device (torch's NVML count: no CUDA context here)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
 
 
 def rendezvous_timeout_line(config: _config.Config, argv: list[str]) -> str:
