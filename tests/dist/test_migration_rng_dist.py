@@ -3,7 +3,7 @@ with `use_seedable_sampler` True and False: a model with dropout, a collator tha
 the global RNG (as MLM masking does), trained for two epochs.
 
 The recipe: `torch.empty((), dtype=torch.int64).random_()` after each `iter()` (the draw of
-Accelerate's pass), batches collated one ahead (`one_ahead`, block 6 of the page), and, only
+Accelerate's pass), batches collated one ahead (`OneAhead`, block 6 of the page), and, only
 when porting a `use_seedable_sampler=False` run at several processes, one draw after
 `shard_loader` (prepare's draw that seeds the sampler's generator). With
 `use_seedable_sampler=True` the shuffle is accel's (`shard_loader(seed=s)`) and the per-step
@@ -25,20 +25,10 @@ from torch.utils.data import DataLoader
 import accel
 from accel import RunContext
 from accel.testing import run_world
+from tests.dist.test_migration_resume_dist import one_ahead_recipe
 from tests.dist.test_script_lines_dist import _accelerator
 
 EPOCHS, SAMPLES, BATCH = 2, 12, 2
-
-
-def one_ahead(loader: Any) -> Any:
-    """docs/migration.md block 6, as the page writes it."""
-    batches = iter(loader)
-    torch.empty((), dtype=torch.int64).random_()  # the draw of Accelerate's pass
-    current = next(batches, None)
-    while current is not None:
-        upcoming = next(batches, None)
-        yield current
-        current = upcoming
 
 
 def _noisy(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +83,11 @@ def _accel_losses(ctx: RunContext, seedable: bool) -> list[tuple[float, list[flo
     scheduler = _schedule(optimizer)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=seedable, collate_fn=_noisy)
     loader = accel.shard_loader(ctx, loader, seed=0)
+    reader = one_ahead_recipe()(loader)
     losses = []
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
-        for x, y in one_ahead(loader):
+        for x, y in reader:
             loss = nn.functional.mse_loss(model(x), y)
             accel.scaled_backward(ctx, loss)
             optimizer.step()
