@@ -21,7 +21,7 @@ from accel_cli._refused import add_refused
 if TYPE_CHECKING:
     from accel_cli._setting import Setting  # a type only: `accel --help` reads no table
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "launch_flags", "main"]
 
 # `accel launch --help` groups its flags as `accelerate launch --help` does (same titles): these
 # groups first, with the flags that are the command's own (not settings); the settings table
@@ -321,6 +321,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_launch(commands, argv)
     _add_others(commands)
     return parser
+
+
+def launch_flags() -> frozenset[str]:
+    """Every flag of `accel launch`, in each spelling (`--num_processes`, `--num-processes`)."""
+    commands = next(
+        a for a in build_parser(["launch"])._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    return frozenset(f for f in _options(commands.choices["launch"]) if f.startswith("--"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,8 @@ from accel import config as _config
 from accel._settings.table import KEYS, SECTIONS, build, environment
 from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
-from accel.cli._script import check_script, uses_trainer
+from accel.cli._script import check_script, misplaced_flags, uses_trainer
+from accel_cli import launch_flags
 from accel_cli._setting import Setting
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
@@ -227,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     _config.check_launch_environment(config)
     argv = torchrun_argv(config, args)
     check_script(args.script, module=args.module)  # one line here, not one error per worker
+    _warn_misplaced_flags(args)
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
@@ -253,6 +255,24 @@ def run(args: argparse.Namespace) -> int:
         print(rendezvous_timeout_line(config, argv), file=sys.stderr)
         return 1
     return 0
+
+
+def _warn_misplaced_flags(args: argparse.Namespace) -> None:
+    """Say so where one of the launcher's flags came after the script, which does not read it:
+    everything after the script is the script's, so it did not reach the launcher."""
+    if not any(arg.startswith("--") for arg in args.script_args):
+        return  # the common case: no flag to compare, no parser built
+    found = misplaced_flags(
+        args.script, module=args.module, script_args=args.script_args,
+        launcher_flags=launch_flags(),
+    )  # fmt: skip
+    for flag in found:
+        print(
+            f"accel launch: warning: {flag} comes after the script, so it is the script's "
+            f"argument (and {args.script} does not read it), not accel launch's; put accel "
+            f"launch's flags before the script: accel launch {flag} ... {args.script}",
+            file=sys.stderr,
+        )
 
 
 def _has_gpu() -> bool:
