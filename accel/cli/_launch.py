@@ -234,6 +234,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update({**worker_environment(config), **_AGENT_ENVIRONMENT})
     for key, value in _signals.agent_environment().items():
         os.environ.setdefault(key, value)
+    if config.num_processes // config.num_machines > 1:
+        # torchrun's own default for several processes a machine, set here so that its 4-line
+        # banner announcing it does not head every launch (docs/cli.md says it once).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
     trainer = uses_trainer(args.script, module=args.module)

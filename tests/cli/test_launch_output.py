@@ -219,3 +219,37 @@ def test_a_submodule_without_a_trainer_launches_without_the_trainer_warning(
     assert out.returncode == 0, out.stderr
     assert "ran 0" in out.stdout and out.stdout.count("pkg imported") == 1  # the worker's only
     assert "Trainer" not in out.stderr, out.stderr
+
+
+OMP_SCRIPT = (
+    "import os, sys, accel\n"
+    "rank = accel.init_distributed().rank\n"
+    "sys.stdout.write(f\"omp {rank} {os.environ['OMP_NUM_THREADS']}\\n\")  # one write a rank\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", [None, "3"])
+def test_a_two_process_launch_sets_omp_threads_without_torchruns_banner(
+    tmp_path: Path, given: str | None
+) -> None:
+    """Issue 44 item 7: torchrun's 4-line OMP_NUM_THREADS banner headed every launch."""
+    script = tmp_path / "omp.py"
+    script.write_text(OMP_SCRIPT)
+    env = {} if given is None else {"OMP_NUM_THREADS": given}
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), env=env)
+    assert out.returncode == 0, out.stderr
+    assert "OMP_NUM_THREADS" not in out.stderr and "*****" not in out.stderr, out.stderr
+    threads = given or "1"  # torchrun's default for several processes a machine, or the user's
+    assert sorted(out.stdout.split("\n")[:2]) == [f"omp 0 {threads}", f"omp 1 {threads}"]
+
+
+@pytest.mark.slow
+def test_accel_test_says_nothing_about_transformers_trainer(tmp_path: Path) -> None:
+    """Issue 44 item 7: the Trainer-only accumulation warning fired on `accel test`."""
+    config = tmp_path / "accum.yaml"
+    config.write_text("gradient_accumulation_steps: 2\n")
+    out = accel_cli(tmp_path, "test", "--config_file", str(config), "--num_processes", "2")
+    assert out.returncode == 0, out.stderr
+    assert "accel test: passed" in out.stdout
+    assert "Trainer" not in out.stderr, out.stderr
