@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import importlib.util
 import os
 import re
 import sys
@@ -318,9 +319,11 @@ class _Version(argparse.Action):
     accel (and torch), and only when asked."""
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        from accel_cli._setting import accel_root  # only when asked: the usual run needs none
-
-        tree = ast.parse(Path(accel_root(), "_version.py").read_text())
+        spec = importlib.util.find_spec("accel")  # the package's folder; nothing imported
+        if spec is None or not spec.submodule_search_locations:
+            parser.exit(1, "accel: the accel package is not installed beside accel_cli.\n")
+        folder = next(iter(spec.submodule_search_locations))
+        tree = ast.parse(Path(folder, "_version.py").read_text())
         version = next(
             str(node.value.value)
             for node in tree.body
