@@ -88,7 +88,11 @@ dist:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m build --version >/dev/null 2>&1 || $(PY) -m pip install --quiet build
 	rm -rf dist
-	$(PY) -m build $(BUILD_FLAGS) --outdir dist .
+	@# build's and setuptools' own lines (hundreds) go to build/dist.log; shown only on failure.
+	@mkdir -p build
+	@$(PY) -m build $(BUILD_FLAGS) --outdir dist . >build/dist.log 2>&1 \
+		|| { tail -n 40 build/dist.log; echo "make dist: failed; build/dist.log has the whole output"; exit 1; }
+	@ls dist
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,5 +1,12 @@
 """accel: distributed PyTorch training as small functions over an explicit `RunContext`."""
 
+import sys
+
+if sys.argv[:1] == ["-m"]:  # Python is locating a `-m` module: `python -m accel --help`?
+    from accel_cli import answer_help_early  # only under -m: a plain import reads no argv
+
+    answer_help_early()  # answered (and exits) before the imports below import torch
+
 from accel._version import __version__ as __version__
 from accel.accumulate import (
     accumulate,

@@ -8,6 +8,7 @@ Choose once from `ctx.precision`, then use a value: `autocast(ctx)` is a no-op c
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -237,6 +238,7 @@ def optimizer_step(
     if engine is not None:
         return _engine_step(engine, scaler)
     check_optimizer(optimizer)
+    _warn_if_schedule_ended(optimizer)
     if scaler is None:
         optimizer.step()
         return True
@@ -246,6 +248,25 @@ def optimizer_step(
     scaler.update()
     # update() multiplies the scale by backoff_factor (< 1) exactly when inf/nan was found.
     return not scaler.get_scale() < before
+
+
+def _warn_if_schedule_ended(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (at optimizer_step's caller) when every rate is 0 under a scheduler (torch sets
+    `initial_lr`) and the optimizer stepped before (its state, or the flag torch's scheduler
+    sets; a warmup from 0 is at its first step). accel steps no scheduler: this step is where a
+    short one shows (Accelerate's schedule sized from len(loader) after shard_loader)."""
+    for group in optimizer.param_groups:  # a tensor rate is not read: that would wait for it
+        if "initial_lr" not in group or isinstance(group["lr"], torch.Tensor) or group["lr"]:
+            return
+    if optimizer.param_groups and (optimizer.state or getattr(optimizer, "_opt_called", False)):
+        warnings.warn(
+            "optimizer_step: every learning rate is 0 and the optimizer has stepped before: its "
+            "scheduler has ended and this step changes no weight. A schedule sized from "
+            "len(loader) after shard_loader counts this rank's batches (1/world_size of them): "
+            "size Accelerate's schedule from the DataLoader before shard_loader and step it "
+            "ctx.world_size times per step, or size it in optimizer steps and step it once.",
+            stacklevel=3,
+        )
 
 
 def _engine_step(engine: Any, scaler: GradScaler | None) -> bool:

@@ -127,6 +127,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
             npy["cached"],
         )
     )
-    torch.set_rng_state(state["torch"])
+    # torch.set_rng_state reads a view's storage from its offset 0 (a wrong state, or a crash
+    # in native code): a state read back from a checkpoint's file is such a view, so it gets
+    # memory of its own here.
+    torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -10,10 +10,14 @@ gets the closest match.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import importlib.util
+import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from accel_cli._refused import add_refused
@@ -21,7 +25,7 @@ from accel_cli._refused import add_refused
 if TYPE_CHECKING:
     from accel_settings import Setting  # a type only: `accel --help` reads no table
 
-__all__ = ["build_parser", "main"]
+__all__ = ["answer_help_early", "build_parser", "main"]
 
 # `accel launch --help` groups its flags as `accelerate launch --help` does (same titles): these
 # groups first, with the flags that are the command's own (not settings); the settings table
@@ -246,6 +250,9 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
     add_refused(parser)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    # Every flag of accel launch, in each spelling, for the launcher's warning about one of its
+    # flags typed after the script (accel.cli takes it from here: it imports nothing of ours).
+    parser.set_defaults(launcher_flags=frozenset(f for f in _options(parser) if f[:2] == "--"))
 
 
 def _add_config(commands: Any) -> None:
@@ -310,12 +317,33 @@ def _add_others(commands: Any) -> None:
     )  # fmt: skip
 
 
+class _Version(argparse.Action):
+    """`accel --version`: the version written in accel/_version.py, read without importing
+    accel (and torch), and only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        spec = importlib.util.find_spec("accel")  # the package's folder; nothing imported
+        if spec is None or not spec.submodule_search_locations:
+            parser.exit(1, "accel: the accel package is not installed beside accel_cli.\n")
+        folder = next(iter(spec.submodule_search_locations))
+        tree = ast.parse(Path(folder, "_version.py").read_text())
+        version = next(
+            str(node.value.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            and any(getattr(t, "id", None) == "__version__" for t in node.targets)
+        )  # fmt: skip
+        print(f"accel {version}")
+        parser.exit()
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser of the `accel` command; `argv` decides which optional help groups show."""
     parser = Parser(
         prog="accel",
         description="Launch and inspect accel training runs (built on torch.distributed.run).",
     )
+    parser.add_argument("--version", action=_Version, nargs=0, help="print accel's version")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config(commands)
     _add_launch(commands, argv)
@@ -323,9 +351,37 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def answer_help_early() -> None:
+    """Answer `python -m accel ... --help` (or `--version`) before the `accel` package imports
+    torch; any other command line returns here and runs as usual.
+
+    Python imports a package before running its `__main__`, and `accel/__init__.py` imports
+    torch (seconds); so the package calls this first while Python is locating the module of
+    `-m` (`sys.argv[0]` is then "-m"). A help or version request exits in argparse, as under
+    the `accel` command; a line that parses (`launch train.py --help` is the script's flag)
+    returns, to be run by `accel.__main__` once the package is imported.
+    """
+    line = sys.orig_argv
+    start = line.index("-m") + 1 if "-m" in line else len(line)
+    if line[start : start + 1] != ["accel"]:
+        return  # another module is being located (its package imports accel)
+    argv = line[start + 1 :]
+    if {"-h", "--help", "--version"} & set(argv):
+        build_parser(argv).parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `accel` command line and return its exit code."""
     args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     from accel.cli import run  # imports torch: only for a command line that parsed
 
-    return run(args)
+    try:
+        code = run(args)
+        sys.stdout.flush()  # a reader gone early fails here, not at the interpreter's exit
+    except BrokenPipeError:
+        # `accel env | head`: the reader stopped reading, which is no error of the command's.
+        # End quietly, as Unix tools do (killed by SIGPIPE: 128 + 13); what is still buffered
+        # goes nowhere, so the interpreter's own flush at exit has nothing to complain about.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code

@@ -2,9 +2,12 @@
 
     accel launch --num_processes 2 examples/fsdp2.py --out runs/fsdp2
     accel launch --num_processes 2 --mixed_precision bf16 examples/fsdp2.py --out runs/fsdp2
-    accel launch --num_processes 4 examples/fsdp2.py --out runs/fsdp2 --resume   # other world size
+    accel launch --num_processes 4 examples/fsdp2.py --out runs/fsdp2 --resume --steps 80
 
-Every block is its own FSDP2 unit; parameters and optimizer state are sharded across ranks.
+The last command resumes at another world size and trains on to step 80 (`--steps` counts
+from the start of the run, so resuming a finished run with the same `--steps` trains nothing,
+and says so). Every block is its own FSDP2 unit; parameters and optimizer state are sharded
+across ranks.
 The training state is saved sharded through torch.distributed.checkpoint, so a run can resume at
 another world size; `save_model(..., full_state_dict=True)` writes plain safetensors weights.
 """
@@ -69,6 +72,14 @@ def main() -> None:
     step = 0
     if args.resume and (latest := accel.latest_checkpoint(args.out / "checkpoints")) is not None:
         step = accel.load_state(ctx, latest, **state)["step"]
+        if ctx.is_main:
+            print(f"resumed at step {step} from {latest}", flush=True)
+            if step >= args.steps:
+                print(
+                    f"nothing to train: step {step} >= --steps {args.steps} (steps from the "
+                    "start of the run); pass a larger --steps to train on",
+                    flush=True,
+                )
 
     # A copying task: predict the token seen 3 positions earlier.
     g = torch.Generator().manual_seed(1000 * ctx.rank + step)

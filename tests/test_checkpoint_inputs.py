@@ -423,3 +423,23 @@ def test_links_inside_the_folder_and_the_hub_cache_layout_still_load(
     shard.rename(inside / "real.bin")
     shard.symlink_to("real.bin")
     LOADERS_TWO[loader](inside)
+
+
+def test_an_accelerate_folder_names_the_loader_of_each_of_its_files(tmp_path: Path) -> None:
+    """Issue 44 item 10: the message sent scheduler.bin to optimizer.load_state_dict."""
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=4)
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.bin")  # as Accelerate writes them
+    torch.save(scheduler.state_dict(), tmp_path / "scheduler.bin")
+    (tmp_path / "random_states_0.pkl").write_bytes(b"")
+    with pytest.raises(FileNotFoundError) as caught:
+        accel.load_state(CTX, tmp_path, model=model)
+    message = str(caught.value)
+    objects = {"optimizer": optimizer, "scheduler": scheduler, "torch": torch}
+    for name in ("optimizer", "scheduler"):
+        path = str(tmp_path / f"{name}.bin")
+        call = f"{name}.load_state_dict(torch.load({path!r}, weights_only=True))"
+        assert call in message, message
+        eval(call, objects)  # the call as the message writes it loads the file

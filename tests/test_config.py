@@ -44,10 +44,18 @@ def test_precision_spellings(tmp_path: Path, raw: str, expected: str) -> None:
     assert load_config(path).mixed_precision == expected
 
 
+def test_a_key_typo_gets_the_closest_key_not_all_of_them() -> None:
+    """Issue 44 item 6: `num_procs: 2` listed all 23 keys."""
+    with pytest.raises(ValueError) as caught:
+        parse_config({"num_procs": 2}, origin="my.yaml")
+    assert "'num_processes'" in str(caught.value) and "deepspeed_config" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("data", "error", "match"),
     [
-        ({"num_procesess": 2}, ValueError, r"unknown key 'num_procesess'; expected one of"),
+        ({"num_procs": 2}, ValueError, r"unknown key 'num_procs'; did you mean 'num_processes'\?"),
+        ({"zzz": 2}, ValueError, r"unknown key 'zzz'; expected one of \['deepspeed_config'"),
         ({"num_processes": -3}, ValueError, r"num_processes=-3 must be an integer >= 1"),
         ({"mixed_precision": "fp4"}, ValueError, r"mixed_precision='fp4' is not a precision"),
         ({"rdzv_backend": "etcd"}, ValueError, r"rdzv_backend='etcd' is not allowed"),

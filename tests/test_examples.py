@@ -180,3 +180,27 @@ def test_char_lm_run_twice_into_one_folder_draws_the_same_curve(tmp_path: Path) 
     assert curves[1] == curves[0]
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r).get("step") for r in records] == [None, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_fsdp2_resumed_at_its_last_step_says_so_and_trains_on_with_more_steps(
+    tmp_path: Path,
+) -> None:
+    """Issue 44 item 10: resumed with the default --steps, the example trained nothing and said
+    nothing (then wrote the same model again)."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
+
+    def run(*argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "fsdp2.py"), "--out", "run", *argv],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    assert "step 10 loss" in run("--steps", "10")
+    again = run("--steps", "10", "--resume")
+    assert "resumed at step 10" in again and "nothing to train" in again, again
+    assert "--steps" in again  # names the fix
+    more = run("--steps", "20", "--resume")
+    assert "resumed at step 10" in more and "step 20 loss" in more, more

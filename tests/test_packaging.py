@@ -202,3 +202,25 @@ def test_the_readme_install_lines_run_as_written(tmp_path: Path) -> None:
         cwd=tmp_path,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_make_dist_builds_both_files_quietly(tmp_path: Path) -> None:
+    """Issue 44 item 9: `make dist` printed setuptools' deprecation of `project.license` as a
+    table four times (it stops building after 2027-02-18) in 686 lines."""
+    checkout = _checkout(tmp_path)
+    shutil.copy(ROOT / "Makefile", checkout / "Makefile")
+    run = subprocess.run(
+        ["make", "--no-print-directory", "dist", f"PY={sys.executable}",
+         "BUILD_FLAGS=--no-isolation"],
+        cwd=checkout, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    log = (checkout / "build" / "dist.log").read_text()  # build's own lines, kept for a failure
+    assert "eprecat" not in output + log, log[-3000:]  # no deprecation of any kind, even hidden
+    assert len(output.splitlines()) <= 10, output[-3000:]
+    version = accel.__version__
+    assert sorted(p.name for p in (checkout / "dist").iterdir()) == [
+        f"accel_train-{version}-py3-none-any.whl", f"accel_train-{version}.tar.gz"
+    ]  # fmt: skip

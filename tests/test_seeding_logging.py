@@ -36,6 +36,18 @@ def test_rng_state_round_trip_restores_every_generator() -> None:
     assert all(isinstance(t, torch.Tensor) for t in leaves)  # storable without pickle
 
 
+def test_rng_state_restores_from_a_view_as_a_checkpoint_file_gives_it() -> None:
+    """A state read back from a file is a view into one storage at an offset, which torch's
+    own set_rng_state reads from offset 0 (a wrong state, or a segfault)."""
+    set_seed(2)
+    state = get_rng_state()
+    first = _draw()
+    storage = torch.zeros(16 + state["torch"].numel(), dtype=torch.uint8)
+    storage[16:] = state["torch"]
+    set_rng_state({**state, "torch": storage[16:]})
+    assert _draw() == first
+
+
 def test_logger_records_on_main_only_unless_asked(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="accel-test")
     main = get_logger(RunContext(rank=0, world_size=2), "accel-test")

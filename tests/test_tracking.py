@@ -86,7 +86,6 @@ def test_hparams_are_stored_once_and_closed_trackers_refuse(tmp_path: Path) -> N
         ({"loss": 1.0}, -1, ValueError, "step=-1 must be an int >= 0"),
         ({"loss": 1.0}, True, ValueError, "step=True must be an int >= 0"),
         ({"hparams": 1.0}, 0, ValueError, "metric name 'hparams' is not allowed"),
-        ({"step": 1.0}, 0, ValueError, r"metrics\['step'\]=1.0 differs from step=0"),
     ],
 )
 def test_bad_metrics_name_the_value(
@@ -95,6 +94,33 @@ def test_bad_metrics_name_the_value(
     with JSONLTracker(tmp_path / "m.jsonl") as tracker, pytest.raises(error, match=message):
         log_metrics(MAIN, metrics, step=step, trackers=[tracker])
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_step_metric_other_than_step_reaches_every_tracker_named_apart(tmp_path: Path) -> None:
+    """Issue 44 item 4: JSONL refused a `step` metric that differs from step=, after
+    TensorBoard had written the same record. Now every tracker takes it, as Accelerate's do;
+    JSONL keeps both, the metric as `__step` (trackio's name for it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with TensorBoardTracker(tmp_path / "tb") as board, JSONLTracker(tmp_path / "m.jsonl") as j:
+        log_metrics(MAIN, {"loss": 0.5, "step": 3}, step=7, trackers=[board, j])
+    assert _lines(tmp_path / "m.jsonl") == [{"step": 7, "__step": 3, "loss": 0.5}]
+    (events_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("step")] == [(7, 3.0)]
+
+
+def test_every_trackers_rules_are_checked_before_any_writes(tmp_path: Path) -> None:
+    first, closed = JSONLTracker(tmp_path / "a.jsonl"), JSONLTracker(tmp_path / "b.jsonl")
+    closed.close()
+    with pytest.raises(RuntimeError, match="the tracker is closed"):
+        log_metrics(MAIN, {"loss": 0.5}, step=0, trackers=[first, closed])
+    assert not (tmp_path / "a.jsonl").exists()  # the record is in no tracker, not in some
+    with pytest.raises(ValueError, match=r"metrics\['__step'\].*named 'step'"):
+        log_metrics(MAIN, {"step": 1, "__step": 2}, step=0, trackers=[first])
+    assert not (tmp_path / "a.jsonl").exists()
+    first.close()
 
 
 def test_accelerates_values_reach_jsonl_and_custom_trackers(tmp_path: Path) -> None:

@@ -47,12 +47,20 @@ def _accelerate_folder(fn: str, directory: Path) -> str | None:
     if not state:
         return None
     model = weights[0] if weights else "model.safetensors"
+    # Each .bin is the state_dict of the object its name starts with (optimizer_1.bin: the
+    # second optimizer), loaded by that object.
+    loads = [
+        f"{name.partition('_')[0].removesuffix('.bin')}.load_state_dict(torch.load("
+        f"{str(directory / name)!r}, weights_only=True))"
+        for name in state
+        if name.endswith(".bin")
+    ]
+    others = f"; then {'; '.join(loads)}" if loads else ""
     return (
         f"{fn}: {str(directory)!r} has no {MANIFEST}: it is a folder written by Accelerate's "
         f"save_state ({', '.join(weights + state)}), which accel's load_state does not read. "
         f"Load its weights with accel.load_checkpoint_in_model(model, "
-        f"{str(directory / model)!r}); its optimizer.bin and scheduler.bin load with "
-        "optimizer.load_state_dict(torch.load(path, weights_only=True)) (docs/migration.md)."
+        f"{str(directory / model)!r}){others} (docs/migration.md)."
     )
 
 

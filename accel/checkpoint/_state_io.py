@@ -420,13 +420,4 @@ def _read_rng(fn: str, ctx: RunContext, directory: Path, manifest: dict[str, Any
     if manifests.expected(manifest, f"{stem}.json") is None:
         return None
     state, _ = _read(fn, directory, manifest, stem)
-    # torch.set_rng_state reads a view's storage from offset 0: give it tensors of their own.
-    return _own_memory(state)
-
-
-def _own_memory(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, dict):
-        return {k: _own_memory(v) for k, v in tree.items()}
-    return tree
+    return state  # set_rng_state copies the views it needs to (torch reads them wrongly)

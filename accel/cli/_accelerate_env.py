@@ -23,12 +23,16 @@ _TRAINER_ONLY_FROM_ARGS = (
 
 
 def accelerate_environment(
-    config: _config.Config, *, trainer: bool = True
+    config: _config.Config, *, trainer: bool = True, has_gpu: bool = True
 ) -> tuple[dict[str, str], list[str]]:
     """The `ACCELERATE_*` variables for `config`, and a warning for each setting that does not
     reach every library built on Accelerate (those that concern transformers' Trainer only when
-    `trainer`: the script uses one)."""
+    `trainer`: the script uses one). `has_gpu`: whether this machine has a CUDA device; without
+    one several workers run on the CPU, and Accelerate is told so (one process stays as
+    `use_cpu` says: Accelerate's `DistributedType.NO`, no process group)."""
     env = accelerate_variables(config)
+    if not has_gpu and config.num_processes > 1 and "ACCELERATE_USE_CPU" in env:
+        env["ACCELERATE_USE_CPU"] = "True"  # Accelerate's spelling (str(True)), as use_cpu's
     steps = config.gradient_accumulation_steps
     warnings = [_TRAINER_ONLY_FROM_ARGS.format(steps=steps)] if trainer and steps > 1 else []
     return env, warnings

@@ -25,7 +25,7 @@ from accel import config as _config
 from accel._settings.table import build, environment
 from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
-from accel.cli._script import check_script, uses_trainer
+from accel.cli._script import check_script, misplaced_flags, uses_trainer
 from accel_settings import KEYS, SECTIONS, Setting
 
 # Set for torchrun's agent. By default its c10d rendezvous shares one TCPStore with the workers
@@ -237,15 +237,22 @@ def run(args: argparse.Namespace) -> int:
     _config.check_launch_environment(config, settings)
     argv = torchrun_argv(config, args)
     check_script(args.script, module=args.module)  # one line here, not one error per worker
+    _warn_misplaced_flags(args)
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config, settings), **_AGENT_ENVIRONMENT})
     for key, value in _signals.agent_environment().items():
         os.environ.setdefault(key, value)
+    if config.num_processes // config.num_machines > 1:
+        # torchrun's own default for several processes a machine, set here so that its 4-line
+        # banner announcing it does not head every launch (docs/cli.md says it once).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The same settings for code built on Accelerate (transformers' Trainer), as its launcher
     # exports them; what cannot reach such code is said here, once.
     trainer = uses_trainer(args.script, module=args.module)
-    accelerate_env, unreachable = accelerate_environment(config, trainer=trainer)
+    accelerate_env, unreachable = accelerate_environment(
+        config, trainer=trainer, has_gpu=_has_gpu()
+    )
     os.environ.update(accelerate_env)
     for line in unreachable:
         print(f"accel launch: warning: {line}", file=sys.stderr)
@@ -261,6 +268,31 @@ def run(args: argparse.Namespace) -> int:
         print(rendezvous_timeout_line(config, argv), file=sys.stderr)
         return 1
     return 0
+
+
+def _warn_misplaced_flags(args: argparse.Namespace) -> None:
+    """Say so where one of the launcher's flags came after the script, which does not read it:
+    everything after the script is the script's, so it did not reach the launcher."""
+    if not any(arg.startswith("--") for arg in args.script_args):
+        return  # the common case: no flag to compare, no parser built
+    found = misplaced_flags(
+        args.script, module=args.module, script_args=args.script_args,
+        launcher_flags=args.launcher_flags,
+    )  # fmt: skip
+    for flag in found:
+        print(
+            f"accel launch: warning: {flag} comes after the script, so it is the script's "
+            f"argument (and {args.script} does not read it), not accel launch's; put accel "
+            f"launch's flags before the script: accel launch {flag} ... {args.script}",
+            file=sys.stderr,
+        )
+
+
+def _has_gpu() -> bool:
+    """Whether the workers will find a CUDA device (torch's NVML count: no CUDA context here)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
 
 
 def rendezvous_timeout_line(config: _config.Config, argv: list[str]) -> str:

@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"accel.cli.{_MODULES[args.command]}")
     try:
         return int(module.run(args))
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: accel_cli.main ends quietly
     except _USER_ERRORS as err:
         text = str(err).removeprefix(f"accel {args.command}: ")  # named once
         print(f"accel {args.command}: error: {text}", file=sys.stderr)

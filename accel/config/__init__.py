@@ -12,6 +12,7 @@ rows' `env` (docs/cli.md lists them); `ACCEL_CONFIG_FILE` names a config file to
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -142,9 +143,15 @@ def parse_keys(data: Mapping[str, Any], origin: str) -> Config:
         if key in _IGNORED_KEYS:
             continue
         if key not in KEYS and key not in SECTIONS:
+            keys = sorted([*KEYS, *SECTIONS])
+            close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
+            if close:  # a typo: the key it is closest to, as a mistyped flag gets
+                raise ValueError(
+                    f"{origin}: unknown key {key!r}; did you mean {close[0]!r}? Rename it."
+                )
             raise ValueError(
-                f"{origin}: unknown key {key!r}; expected one of {sorted([*KEYS, *SECTIONS])} "
-                "(or a key of Accelerate's that accel ignores). Remove or rename it."
+                f"{origin}: unknown key {key!r}; expected one of {keys} (or a key of "
+                "Accelerate's that accel ignores). Remove or rename it."
             )
         values[key] = parse_value(key, value)
     return Config(**values)

@@ -46,14 +46,20 @@ __all__ = [
 ]
 
 # The key of a JSONL line that carries the hyper-parameters, so no metric may use it. A metric
-# named "step" is allowed (Accelerate's scripts log one): JSONLTracker checks it equals step=.
+# named "step" is allowed (Accelerate's scripts log one): JSONLTracker keeps it apart when it
+# is not the step.
 _RESERVED = frozenset({"hparams"})
 
 
 @runtime_checkable
 class Tracker(Protocol):
     """What `log_metrics` and `log_hparams` need from a tracker; write your own to plug in
-    another service (wandb, MLflow, ...)."""
+    another service (wandb, MLflow, ...).
+
+    A tracker may also have `check_log(metrics, *, step)`, raising what `log` would refuse and
+    writing nothing: `log_metrics` calls it on every tracker before any `log`, so a record
+    goes to all of them or to none (the built-in trackers have it).
+    """
 
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         """Record `metrics` at `step`: name to a number, a string, or a dict of names to
@@ -153,6 +159,10 @@ def log_metrics(
                 f"{sorted(_RESERVED)}. Rename the metric."
             )
         values[key] = _value(key, value)
+    for tracker in trackers:  # every tracker's rules first: a record goes to all or to none
+        check = getattr(tracker, "check_log", None)
+        if check is not None:
+            check(values, step=step)
     for tracker in trackers:
         tracker.log(values, step=step)
 

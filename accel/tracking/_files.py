@@ -26,6 +26,10 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+# Where a JSONL line keeps a metric named "step" that is not the line's step.
+_STEP_METRIC = "__step"
+
+
 class OnceTracker:
     """Shared bookkeeping: refuse logging after close and a second set of hyper-parameters."""
 
@@ -37,6 +41,11 @@ class OnceTracker:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self._name}: the tracker is closed; create a new one to log.")
+
+    def check_log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        """Raise what `log(metrics, step=step)` would, writing nothing: `log_metrics` asks
+        every tracker before any writes, so a record is in all of them or in none."""
+        self._check_open()
 
     def _claim_hparams(self) -> None:
         self._check_open()
@@ -90,15 +99,24 @@ class JSONLTracker(OnceTracker):
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
-        # A metric named "step" (Accelerate's scripts log one) shares the line's "step" key,
-        # so it must be the step itself; a dict value is stored as a JSON object.
-        if "step" in metrics and metrics["step"] != step:
+    def check_log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        super().check_log(metrics, step=step)
+        if _STEP_METRIC in metrics and "step" in metrics and metrics["step"] != step:
             raise ValueError(
-                f"JSONLTracker: metrics['step']={metrics['step']!r} differs from step={step!r}; "
-                "a line has one step. Log the metric under another name, e.g. 'batch_step'."
+                f"JSONLTracker: metrics[{_STEP_METRIC!r}] is also where a metric named 'step' "
+                f"that differs from step= is kept (metrics['step']={metrics['step']!r}, "
+                f"step={step!r}); rename one of the two metrics."
             )
-        self._write({"step": step, **{k: jsonable(v) for k, v in metrics.items() if k != "step"}})
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        # A metric named "step" (Accelerate's scripts log one) shares the line's "step" key:
+        # equal to step=, it is that key; otherwise it is kept beside it as "__step" (trackio's
+        # name for it). A dict value is stored as a JSON object.
+        self.check_log(metrics, step=step)
+        line = {"step": step, **{k: jsonable(v) for k, v in metrics.items() if k != "step"}}
+        if "step" in metrics and metrics["step"] != step:
+            line[_STEP_METRIC] = jsonable(metrics["step"])
+        self._write(line)
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         self._claim_hparams()

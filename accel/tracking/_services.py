@@ -6,10 +6,12 @@ at the first write, so creating one on every rank is as harmless as creating a `
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,27 @@ def _missing(tracker: str, package: str) -> str:
         f"{tracker} needs the optional '{package}' package, which is not installed. Install it "
         f"with `pip install {package}` (or `pip install -e '.[{package}]'` in accel's checkout)."
     )
+
+
+# MLflow says at INFO, on every run with a new local store (what `directory=` gives), that it
+# creates and updates the store's tables: the tracker's own plumbing, not the user's news.
+_MLFLOW_STORE_LOGGER = "mlflow.store.db.utils"
+
+
+def _not_info(record: logging.LogRecord) -> bool:
+    return record.levelno > logging.INFO
+
+
+@contextlib.contextmanager
+def _quiet_store() -> Iterator[None]:
+    """Drop the INFO records of MLflow's store set-up while the tracker opens its store (a
+    filter on that one logger, removed after: levels and handlers stay the user's)."""
+    logger = logging.getLogger(_MLFLOW_STORE_LOGGER)
+    logger.addFilter(_not_info)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_info)
 
 
 def _flat(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -127,13 +150,15 @@ class MLflowTracker(OnceTracker):
             raise ImportError(_missing("MLflowTracker", "mlflow")) from err
         self.project = project
         self.run_name = run_name
-        self.client: Any = MlflowClient(tracking_uri=tracking_uri)
+        with _quiet_store():  # a local store's tables may be made here
+            self.client: Any = MlflowClient(tracking_uri=tracking_uri)
         self.run_id: str | None = None
 
     def _get_run_id(self) -> str:
         self._check_open()
         if self.run_id is None:
-            found = self.client.get_experiment_by_name(self.project)
+            with _quiet_store():  # or at the first call, which opens the store
+                found = self.client.get_experiment_by_name(self.project)
             experiment = (
                 found.experiment_id if found else self.client.create_experiment(self.project)
             )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from accel.cli._script import uses_trainer
+from accel.cli._script import misplaced_flags, uses_trainer
 from tests.cli.test_cli import _env, accel_cli
 from tests.processes import alive, descendants
 
@@ -140,4 +140,116 @@ def test_accumulation_without_a_trainer_launches_without_the_trainer_warning(
     script.write_text("import accel\nprint(accel.init_distributed(grad_accum_steps=None).rank)\n")
     out = accel_cli(tmp_path, "launch", "--gradient_accumulation_steps", "2", str(script))
     assert out.returncode == 0, out.stderr
+    assert "Trainer" not in out.stderr, out.stderr
+
+
+# Issue 44 item 5: `accel launch train.py --num_processes 2` ran one process, silently.
+REPORTS_WORLD = "import accel\nprint('world', accel.init_distributed().world_size)\n"
+
+
+@pytest.mark.slow
+def test_a_launch_flag_after_the_script_is_said_where_the_script_does_not_read_it(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(REPORTS_WORLD)
+    out = accel_cli(tmp_path, "launch", str(script), "--num_processes", "2")
+    assert out.returncode == 0, out.stderr
+    assert "world 1" in out.stdout  # the flag is the script's: it asked for it there
+    said = [line for line in out.stderr.splitlines() if "--num_processes" in line]
+    assert len(said) == 1, out.stderr
+    assert "accel launch: warning:" in said[0] and "before the script" in said[0], said[0]
+
+
+@pytest.mark.parametrize(
+    ("source", "misplaced"),
+    [
+        (REPORTS_WORLD, ["--num_processes"]),  # reads no argument at all
+        (
+            "import argparse\np = argparse.ArgumentParser()\np.add_argument('--num_processes')\n",
+            [],
+        ),  # its own flag of that name
+        ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--num-processes')\n", []),
+        ("def main(num_processes: int = 1): ...\nimport fire\nfire.Fire(main)\n", []),
+        ("from transformers import HfArgumentParser\n", []),  # fields accel cannot see
+    ],
+)
+def test_misplaced_launch_flags_are_those_the_script_never_names(
+    tmp_path: Path, source: str, misplaced: list[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    launcher = frozenset({"--num_processes", "--num-processes", "--mixed_precision"})
+    found = misplaced_flags(
+        str(script), module=False, script_args=["--num_processes", "2", "--lr", "1"],
+        launcher_flags=launcher,
+    )  # fmt: skip
+    assert found == misplaced
+
+
+def _package(tmp_path: Path) -> None:
+    """A package in the working folder whose `__init__` says when it is imported."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("print('pkg imported')\n")
+    (tmp_path / "pkg" / "plain.py").write_text(
+        "import accel\nprint('ran', accel.init_distributed(grad_accum_steps=None).rank)\n"
+    )
+
+
+@pytest.mark.slow
+def test_launch_of_a_missing_submodule_is_one_line_and_starts_no_worker(tmp_path: Path) -> None:
+    """Issue 44 item 6: only the package of a dotted `-m` name was looked up."""
+    _package(tmp_path)
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", "-m", "pkg.missing")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "no module 'pkg.missing' in package 'pkg'" in lines[0], lines[0]
+    assert "pkg imported" not in out.stdout  # found without importing the package
+    assert "torch/distributed" not in out.stderr  # no worker, no agent ran
+
+
+@pytest.mark.slow
+def test_a_submodule_without_a_trainer_launches_without_the_trainer_warning(
+    tmp_path: Path,
+) -> None:
+    """Issue 44 item 7: any dotted `-m` module counted as a Trainer script."""
+    _package(tmp_path)
+    out = accel_cli(tmp_path, "launch", "--gradient_accumulation_steps", "2", "-m", "pkg.plain")
+    assert out.returncode == 0, out.stderr
+    assert "ran 0" in out.stdout and out.stdout.count("pkg imported") == 1  # the worker's only
+    assert "Trainer" not in out.stderr, out.stderr
+
+
+OMP_SCRIPT = (
+    "import os, sys, accel\n"
+    "rank = accel.init_distributed().rank\n"
+    "sys.stdout.write(f\"omp {rank} {os.environ['OMP_NUM_THREADS']}\\n\")  # one write a rank\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", [None, "3"])
+def test_a_two_process_launch_sets_omp_threads_without_torchruns_banner(
+    tmp_path: Path, given: str | None
+) -> None:
+    """Issue 44 item 7: torchrun's 4-line OMP_NUM_THREADS banner headed every launch."""
+    script = tmp_path / "omp.py"
+    script.write_text(OMP_SCRIPT)
+    env = {} if given is None else {"OMP_NUM_THREADS": given}
+    out = accel_cli(tmp_path, "launch", "--num_processes", "2", str(script), env=env)
+    assert out.returncode == 0, out.stderr
+    assert "OMP_NUM_THREADS" not in out.stderr and "*****" not in out.stderr, out.stderr
+    threads = given or "1"  # torchrun's default for several processes a machine, or the user's
+    assert sorted(out.stdout.split("\n")[:2]) == [f"omp 0 {threads}", f"omp 1 {threads}"]
+
+
+@pytest.mark.slow
+def test_accel_test_says_nothing_about_transformers_trainer(tmp_path: Path) -> None:
+    """Issue 44 item 7: the Trainer-only accumulation warning fired on `accel test`."""
+    config = tmp_path / "accum.yaml"
+    config.write_text("gradient_accumulation_steps: 2\n")
+    out = accel_cli(tmp_path, "test", "--config_file", str(config), "--num_processes", "2")
+    assert out.returncode == 0, out.stderr
+    assert "accel test: passed" in out.stdout
     assert "Trainer" not in out.stderr, out.stderr

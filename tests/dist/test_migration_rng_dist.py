@@ -3,7 +3,7 @@ with `use_seedable_sampler` True and False: a model with dropout, a collator tha
 the global RNG (as MLM masking does), trained for two epochs.
 
 The recipe: `torch.empty((), dtype=torch.int64).random_()` after each `iter()` (the draw of
-Accelerate's pass), batches collated one ahead (`one_ahead`, block 6 of the page), and, only
+Accelerate's pass), batches collated one ahead (`OneAhead`, block 6 of the page), and, only
 when porting a `use_seedable_sampler=False` run at several processes, one draw after
 `shard_loader` (prepare's draw that seeds the sampler's generator). With
 `use_seedable_sampler=True` the shuffle is accel's (`shard_loader(seed=s)`) and the per-step
@@ -15,6 +15,7 @@ The schedule is kept as Accelerate's script writes it and stepped as block 5 of 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,20 +26,10 @@ from torch.utils.data import DataLoader
 import accel
 from accel import RunContext
 from accel.testing import run_world
+from tests.dist.test_migration_resume_dist import one_ahead_recipe
 from tests.dist.test_script_lines_dist import _accelerator
 
 EPOCHS, SAMPLES, BATCH = 2, 12, 2
-
-
-def one_ahead(loader: Any) -> Any:
-    """docs/migration.md block 6, as the page writes it."""
-    batches = iter(loader)
-    torch.empty((), dtype=torch.int64).random_()  # the draw of Accelerate's pass
-    current = next(batches, None)
-    while current is not None:
-        upcoming = next(batches, None)
-        yield current
-        current = upcoming
 
 
 def _noisy(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +84,11 @@ def _accel_losses(ctx: RunContext, seedable: bool) -> list[tuple[float, list[flo
     scheduler = _schedule(optimizer)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=seedable, collate_fn=_noisy)
     loader = accel.shard_loader(ctx, loader, seed=0)
+    reader = one_ahead_recipe()(loader)
     losses = []
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
-        for x, y in one_ahead(loader):
+        for x, y in reader:
             loss = nn.functional.mse_loss(model(x), y)
             accel.scaled_backward(ctx, loss)
             optimizer.step()
@@ -146,3 +138,40 @@ def test_global_rng_recipe_gives_accelerates_losses(world_size: int) -> None:
             assert len(mine) == EPOCHS * SAMPLES // (BATCH * world_size), case
             assert mine == theirs, case  # bit-identical per-step losses and learning rates
             assert rng_mine == rng_theirs, case
+
+
+def _pass_draws(ctx: RunContext) -> dict[bool, int]:
+    """How many int64 one pass over a prepared, shuffled loader draws from the global RNG,
+    by `use_seedable_sampler`."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    draws = {}
+    for seedable in (False, True):
+        accelerator = _accelerator(
+            ctx, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable)
+        )
+        torch.manual_seed(0)
+        loader = accelerator.prepare(DataLoader(list(range(8)), batch_size=2, shuffle=True))
+        before = torch.get_rng_state()
+        for _ in loader:
+            pass
+        after = torch.rand(1)
+        for n in range(4):
+            torch.set_rng_state(before)
+            for _ in range(n):
+                torch.empty((), dtype=torch.int64).random_()
+            if torch.equal(torch.rand(1), after):
+                draws[seedable] = n
+    return draws
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_pages_draws_per_pass_are_accelerates() -> None:
+    """Issue 44 item 10: the page said one draw per pass; at one process Accelerate's default
+    sampler (no generator there) draws its seed too: two."""
+    measured = {n: run_world(_pass_draws, world_size=n, timeout=120)[0] for n in (1, 2)}
+    assert measured == {1: {False: 2, True: 1}, 2: {False: 1, True: 1}}
+    page = (Path(__file__).resolve().parents[2] / "docs" / "migration.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| Global RNG"))
+    assert "at one process a shuffled loader's pass draws two" in row

@@ -8,8 +8,11 @@ Each run is read back through the service's own reader: wandb's `.wandb` record 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -179,3 +182,23 @@ def test_mlflow_takes_a_dict_as_metrics_and_warns_for_a_string(tmp_path: Path) -
         "accuracy/f1": [(6, 0.5)],
         "step": [(6, 6.0)],
     }
+
+
+@pytest.mark.slow
+def test_a_new_mlflow_store_is_made_without_mlflows_info_lines(tmp_path: Path) -> None:
+    """Issue 44 item 7: every run with a fresh local store printed MLflow's two INFO lines
+    about creating its database tables."""
+    code = (
+        "import sys, accel\n"
+        "with accel.MLflowTracker('p', tracking_uri=sys.argv[1]) as tracker:\n"
+        "    accel.log_metrics(accel.RunContext.single(), {'loss': 1.0}, step=0,"
+        " trackers=[tracker])\n"
+        "print(tracker.run_id is not None)\n"
+    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, "-c", code, uri], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert (out.returncode, out.stdout) == (0, "True\n"), out.stderr
+    assert "INFO" not in out.stderr, out.stderr
