@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--seed", type=int, default=0, help="the company's shuffle")
     args = parser.parse_args(argv)
+    # Stopped (timeout, kill): end as on Ctrl-C, so the company is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return hunt(args)
 
 
