@@ -28,7 +28,8 @@ def test_a_run_that_collects_no_test_fails_the_target(tmp_path: Path, target: st
     empty = f"{sys.executable} -m pytest -p no:cacheprovider {tmp_path}"  # no test in it
     run = subprocess.run(
         # NO_INSTALL: take the installed .venv as it is, never reinstall it from a test
-        ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={empty}"],
+        ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={empty}",
+         f"REPORT={tmp_path / 'report.xml'}"],  # not the report of the run this test is in
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "no tests ran" in run.stdout, run.stdout + run.stderr  # pytest ran, collected nothing
