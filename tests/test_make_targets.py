@@ -1,4 +1,5 @@
-"""`make test` and `make test-fast`: a run that collects no test fails the target.
+"""`make test` and `make test-fast`: a run that collects no test fails the target; a failed
+run ends with the failed tests' names and last lines. `make flake`: reruns and keeps failures.
 `make gpu-check`: its dry run writes every part into summary.json.
 
 pytest exits with code 5 when it collects nothing (a wrong path, a marker expression that
