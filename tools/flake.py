@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).parent))
 from failures import describe, read_failures  # this folder's own module
@@ -123,6 +124,23 @@ def _backtraces(folder: Path, out: Path, name: str, python: str) -> list[Path]:
     return written
 
 
+def _run(command: list[str], env: dict[str, str], log: IO[bytes], args: argparse.Namespace) -> int:
+    """One run's exit code (-1: timed out). The run is a session of its own: at its timeout, or
+    when the hunt is stopped, it is killed with every process it started (launched workers)."""
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=lambda: _core_limit(args.cores),
+    )  # fmt: skip
+    try:
+        return proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return -1
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # ended, with everything it started
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def hunt(args: argparse.Namespace) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -134,14 +152,7 @@ def hunt(args: argparse.Namespace) -> int:
             name = f"run-{n:03d}"
             t0 = time.monotonic()
             with (out / f"{name}.log").open("wb") as log:
-                try:
-                    rc = subprocess.run(
-                        _pytest(args.python, out, name, args.tests), cwd=ROOT, env=env,
-                        stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                        preexec_fn=lambda: _core_limit(args.cores),
-                    ).returncode  # fmt: skip
-                except subprocess.TimeoutExpired:
-                    rc = -1
+                rc = _run(_pytest(args.python, out, name, args.tests), env, log, args)
             took = time.monotonic() - t0
             if rc == 0:
                 shutil.rmtree(out / f"tmp-{name}", ignore_errors=True)
