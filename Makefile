@@ -18,7 +18,7 @@ NO_INSTALL ?=
 INSTALLED      := $(if $(NO_INSTALL),,$(STAMP) $(LINKS))
 INSTALLED_DEMO := $(if $(NO_INSTALL),,$(DEMO_STAMP) $(LINKS))
 
-.PHONY: demo test test-fast lint typecheck bench clean dist gpu-check deepspeed-ops
+.PHONY: demo test test-fast flake lint typecheck bench clean dist gpu-check deepspeed-ops
 
 define venv
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,16 +50,41 @@ deepspeed-ops:
 demo: $(INSTALLED_DEMO)
 	$(VENV)/bin/accel launch --num_processes 2 --gradient_accumulation_steps 2 examples/char_lm.py --out runs/demo
 
+# A failed run ends with its failed tests' names and the last lines of each (their error, then
+# what they printed), read from pytest's JUnit report ($(REPORT), which keeps the output of
+# failed tests only): a failure is read at the end of the log, not searched for in it.
+REPORT ?= .test-report.xml
+REPORTED := --junitxml=$(REPORT) -o junit_logging=all -o junit_log_passing_tests=false
+define failed_tests
+{ rc=$$?; $(PY) tools/failures.py $(REPORT); exit $$rc; }
+endef
+
 # The whole suite. pytest's exit code 5 (no test collected) fails the target like any other
 # non-zero code: an empty run never passes. The slowest tests are listed so the suite's time
 # (CI's budget is 25 minutes) is watched where it goes.
 test: $(INSTALLED)
-	$(PYTEST) -q --durations=25
+	rm -f $(REPORT)
+	$(PYTEST) -q --durations=25 $(REPORTED) || $(failed_tests)
 
 # Everything but the tests marked `slow` (processes, subprocesses, seconds each): under 2 minutes
 # on a loaded 2-core machine. `make test` (and CI) still runs the whole suite.
 test-fast: $(INSTALLED)
-	$(PYTEST) -q -m "not slow"
+	rm -f $(REPORT)
+	$(PYTEST) -q -m "not slow" $(REPORTED) || $(failed_tests)
+
+# Hunt an intermittent failure: run TESTS (pytest node ids) N times, each run a fresh pytest,
+# alone (LOAD=none), beside a second pytest running the suite's process-starting tests
+# (LOAD=slow) or beside one busy process per CPU (LOAD=burn). Every failed run's output stays in
+# FLAKE_OUT, with the native stacks of any crash when CORES=1; the end lists each failure with
+# its last lines. docs/testing.md.
+TESTS     ?=
+N         ?= 50
+LOAD      ?= none
+FLAKE_OUT ?= flake-out
+CORES     ?=
+flake: $(INSTALLED)
+	@test -n "$(TESTS)" || { echo "make flake: TESTS is empty; e.g. make flake TESTS='tests/x.py::test_y' N=50 LOAD=slow" >&2; exit 2; }
+	$(PY) tools/flake.py --runs $(N) --load $(LOAD) --out $(FLAKE_OUT) $(if $(CORES),--cores) $(TESTS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ Shared below `testing` and `notebook`, whose public functions check their argume
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import multiprocessing as mp
 import os
@@ -58,6 +59,9 @@ def _worker(
     if environ is not None:  # a rank from the forkserver: the caller's variables, as spawned
         os.environ.clear()
         os.environ.update(environ)
+    # A rank killed by a fatal signal (a C++ abort, a segfault) raises nothing to report: print
+    # every thread's Python stack on stderr first, so the caller's output names the frame.
+    faulthandler.enable(all_threads=True)
     # A process group of its own: killing the rank at the deadline takes the DataLoader workers
     # (and any other children) it started with it.
     os.setpgrp()

@@ -5,14 +5,17 @@ torchrun's agent learns only exit codes, and when it noticed them (to the second
 rank raises and the others then fail in a collective, its "Root Cause" often names a rank that
 only failed because of the first. Here the exception is written, in torch's own error-file
 format, to the file the agent gives each worker (`$TORCHELASTIC_ERROR_FILE`), with the time to
-the nanosecond; `accel launch` then names the rank that raised first. Stdlib only: nothing is
-imported before the script that the script itself would not import, except under
-`ACCEL_DEVICE_CANARY=1`, which runs the script inside `accel.testing.device_canary()`.
+the nanosecond; `accel launch` then names the rank that raised first. A fatal signal (a C++
+abort, a segfault) prints each thread's Python stack (`faulthandler`) before the worker dies.
+Stdlib only: nothing is imported before the script that the script itself would not import,
+except under `ACCEL_DEVICE_CANARY=1`, which runs the script inside
+`accel.testing.device_canary()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
@@ -70,6 +73,10 @@ def _canary(value: str) -> contextlib.AbstractContextManager[object]:
 
 def run(argv: Sequence[str]) -> None:
     """Run `script args...`, or `-m module args...`, as the worker's main program."""
+    # A worker killed by a fatal signal (SIGABRT from C++, SIGSEGV) writes no Python traceback
+    # and no error file: the agent learns only the signal. Have it print every thread's Python
+    # stack first, so the launcher's output names the frame. The signal still ends the worker.
+    faulthandler.enable(all_threads=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
         with _canary(os.environ.get("ACCEL_DEVICE_CANARY", "")):

@@ -1,4 +1,5 @@
-"""`make test` and `make test-fast`: a run that collects no test fails the target.
+"""`make test` and `make test-fast`: a run that collects no test fails the target; a failed
+run ends with the failed tests' names and last lines. `make flake`: reruns and keeps failures.
 `make gpu-check`: its dry run writes every part into summary.json.
 
 pytest exits with code 5 when it collects nothing (a wrong path, a marker expression that
@@ -28,11 +29,91 @@ def test_a_run_that_collects_no_test_fails_the_target(tmp_path: Path, target: st
     empty = f"{sys.executable} -m pytest -p no:cacheprovider {tmp_path}"  # no test in it
     run = subprocess.run(
         # NO_INSTALL: take the installed .venv as it is, never reinstall it from a test
-        ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={empty}"],
+        ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={empty}",
+         f"REPORT={tmp_path / 'report.xml'}"],  # not the report of the run this test is in
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "no tests ran" in run.stdout, run.stdout + run.stderr  # pytest ran, collected nothing
     assert run.returncode != 0, f"make {target} passed a run with no test:\n{run.stdout}"
+
+
+FAILING = """
+import sys
+
+
+def test_passes():
+    print("quiet success")
+
+
+def test_fails_after_printing():
+    for i in range(100):
+        print(f"progress line {i}")
+    print("the last words" + " on stderr", file=sys.stderr)  # in the summary only if printed
+    assert 1 + 1 == 3, "arithmetic broke"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["test", "test-fast"])
+def test_a_failed_run_ends_with_the_failed_tests_and_their_last_lines(
+    tmp_path: Path, target: str
+) -> None:
+    (tmp_path / "test_sample.py").write_text(FAILING)
+    sample = f"{sys.executable} -m pytest -p no:cacheprovider {tmp_path}"
+    run = subprocess.run(
+        ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={sample}",
+         f"PY={sys.executable}", f"REPORT={tmp_path / 'report.xml'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0, run.stdout
+    # What follows pytest's own output: the failed test's name, its error, what it printed last.
+    summary = run.stdout.split("1 failed test(s):", 1)[1]
+    assert summary.splitlines()[1].strip() == "FAILURE test_sample::test_fails_after_printing"
+    assert "AssertionError: arithmetic broke" in summary
+    stdout, stderr = summary.split("its stdout, last lines:")[1].split("its stderr, last lines:")
+    assert "progress line 99" in stdout and "progress line 10\n" not in stdout  # the tail
+    assert stderr.split() == ["the", "last", "words", "on", "stderr"]
+    assert "test_passes" not in summary and "quiet success" not in summary
+
+
+FLAKY = """
+from pathlib import Path
+
+RUNS = Path(__file__).with_name("runs")
+
+
+def test_fails_every_second_run(tmp_path):
+    n = len(RUNS.read_text()) if RUNS.exists() else 0
+    RUNS.write_text("x" * (n + 1))
+    print(f"this is run {n}")
+    (tmp_path / "left.txt").write_text(str(n))
+    assert n % 2 == 0, f"run {n} is odd"
+"""
+
+
+@pytest.mark.slow
+def test_make_flake_reruns_a_test_and_keeps_each_failure(tmp_path: Path) -> None:
+    (tmp_path / "test_flaky.py").write_text(FLAKY)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["make", "--no-print-directory", "flake", "NO_INSTALL=1", f"PY={sys.executable}",
+         f"TESTS={tmp_path / 'test_flaky.py'}", "N=3", f"FLAKE_OUT={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("run-")] == [
+        "run-000", "run-001", "run-002",
+    ]  # fmt: skip
+    assert "run-001: FAILED, exit code 1" in run.stdout
+    assert "3 runs (load: none)" in run.stdout and ": 1 failed" in run.stdout
+    report = run.stdout.split("===== run-001", 1)[1]
+    assert "FAILURE test_flaky::test_fails_every_second_run" in report
+    assert "AssertionError: run 1 is odd" in report and "this is run 1" in report
+    assert "this is run 1" in (out / "run-001.log").read_text()  # the whole output, kept
+    # A failed run's temporary folders are kept for a look; a passed run's are removed.
+    assert [p.read_text() for p in (out / "tmp-run-001").rglob("left.txt")] == ["1"]
+    assert not (out / "tmp-run-000").exists()
 
 
 def _gpu_check() -> Any:

@@ -13,6 +13,7 @@ from accel._deepspeed_flags import ENGINE_REF
 from accel.context import RunContext
 from accel.parallel._deepspeed_config import engine_config, resolve_config
 from accel.parallel._deepspeed_ops import build_ops, import_deepspeed
+from accel.parallel._deepspeed_padding import clear_zero3_padding
 from accel.parallel.deepspeed import DeepSpeedOptions
 
 
@@ -55,6 +56,7 @@ def apply_deepspeed(ctx: RunContext, model: nn.Module, options: DeepSpeedOptions
         config=engine_config(config, ctx.world_size),
         dist_init_required=False,
     )
+    clear_zero3_padding(engine)  # DeepSpeed leaves it unwritten: the same run, the same bytes
     ref = weakref.ref(engine)
     for opt in {id(o): o for o in (options.optimizer, optimizer, engine.optimizer) if o}.values():
         setattr(opt, ENGINE_REF, ref)  # optimizer_step(ctx, opt) finds the engine through it

@@ -9,6 +9,7 @@ try is a real `accel launch` of two real processes; several run at once to keep 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -86,3 +87,38 @@ def test_twelve_launches_of_a_ddp_script_all_exit(tmp_path: Path) -> None:
         results = list(pool.map(lambda order: _launch(script, tmp_path, order), orders))
     failures = [r for r in results if r != "ok"]
     assert not failures, f"{len(failures)} of {LAUNCHES} launches failed: {failures[:3]}"
+
+
+ABORT = """
+import os
+import accel
+
+
+def abort_on_rank_1(ctx):
+    if ctx.rank == 1:
+        os.abort()  # as a C++ std::terminate ends a worker: SIGABRT, no Python exception
+
+
+ctx = accel.init_distributed()
+abort_on_rank_1(ctx)
+accel.shutdown(ctx)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_that_aborts_prints_its_python_stack(tmp_path: Path) -> None:
+    script = tmp_path / "aborts.py"
+    script.write_text(ABORT)
+    out = subprocess.run(
+        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "1 (killed by SIGABRT)" in out.stderr, out.stderr
+    assert "Fatal Python error: Aborted" in out.stderr, out.stderr
+    # Every frame down to the call that aborted, in faulthandler's format.
+    frames = re.findall(r'File "(.*aborts\.py)", line (\d+) in (\S+)', out.stderr)
+    assert [(line, name) for _, line, name in frames] == [
+        ("8", "abort_on_rank_1"),
+        ("12", "<module>"),
+    ], out.stderr

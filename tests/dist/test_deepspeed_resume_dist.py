@@ -5,7 +5,8 @@ STEPS optimizer steps at 2 gloo ranks with accumulation 2 and a scheduler, savin
 through accel's checkpoint (engine, optimizer and scheduler in one dict). A second world of
 fresh processes builds the same engine, loads the latest checkpoint and trains the remaining
 steps: its losses and its final weights, whole and as each rank's fp32 master partition, equal
-the uninterrupted run's exactly.
+the uninterrupted run's exactly. The ranks run with torch's deterministic algorithms, which
+fill fresh allocations with NaN, so every byte compared must have been written by the run.
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def _train(
 
 def _world(ctx: accel.RunContext, tmp: str, resume: bool) -> dict[str, Any]:
     _launcher_env(ctx)
+    # Fresh memory (torch.empty) reads as NaN in this mode: bytes a run leaves unwritten (as
+    # DeepSpeed left ZeRO-3's partition padding) compare unequal every time, not only when an
+    # allocation happens to recycle a NaN. This rank is a process of its own: nothing leaks.
+    torch.use_deterministic_algorithms(True)
     ctx = dataclasses.replace(ctx, grad_accum_steps=ACCUM)
     out: dict[str, Any] = {}
     for name, stage, offload, precision in CASES:

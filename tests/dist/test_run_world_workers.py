@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,17 @@ def test_children_a_rank_leaves_behind_are_killed(crash: bool) -> None:
     else:
         pids = run_world(_leave_a_child, world_size=2, timeout=60, args=(False,))
     assert all(_gone_soon(p) for p in pids), "a child of a finished rank outlived run_world"
+
+
+def _abort_on_rank_1(ctx: RunContext) -> None:
+    if ctx.rank == 1:
+        os.abort()  # as a C++ std::terminate ends a process: SIGABRT, no Python exception
+
+
+def test_a_rank_that_aborts_prints_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError, match="rank 1 was killed by signal 6"):
+        run_world(_abort_on_rank_1, world_size=2, timeout=60)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err, err
+    # The frame that aborted, by file and name (faulthandler's format).
+    assert re.search(r'File ".*test_run_world_workers.py", line \d+ in _abort_on_rank_1', err), err
