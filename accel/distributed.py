@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import threading
 import warnings
 from datetime import timedelta
 from typing import Literal
@@ -24,6 +25,7 @@ from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
+from accel._rerun import RerunPlan, hold_signals, plan_rerun, release_signals
 from accel._typing import Backend, Precision
 from accel.context import Parallelism, RunContext
 from accel.seeding import check_seed
@@ -73,6 +75,10 @@ def init_distributed(
     (world_size 1, no process group). Arguments override the launcher's `ACCEL_*` variables,
     which override the config file; `ctx.describe()` shows which won.
 
+    Under a launcher, from its first line on, a SIGTERM or SIGUSR1 (a scheduler's pre-emption
+    during start-up) is held for the loop's `accel.preemption` block, which stops at its first
+    step; a second one ends the process as before. `shutdown` gives them back.
+
     Args:
         precision: "fp32", "bf16" or "fp16" autocast, or "fp8" (float8 Linear layers
             through `wrap_model`; "no", Accelerate's spelling, is "fp32"); None takes the
@@ -112,6 +118,10 @@ def init_distributed(
     wait = _as_timeout(timeout)
     check_seed("init_distributed", seed)
     launch = parse_launch_env(os.environ)
+    if launch.launcher != "none" and threading.current_thread() is threading.main_thread():
+        # From here on a scheduler's stop signal is held for the loop's accel.preemption block
+        # rather than killing the process during start-up (accel/_rerun.py, HeldSignal).
+        hold_signals()
     if parallelism is not None and not isinstance(parallelism, Parallelism):
         raise TypeError(
             f"init_distributed: parallelism={parallelism!r} must be an accel.Parallelism, e.g. "
@@ -276,6 +286,7 @@ def shutdown(ctx: RunContext) -> None:
         >>> from accel import init_distributed, shutdown
         >>> shutdown(init_distributed(device="cpu"))
     """
+    release_signals()  # the stop signals init_distributed held get their default action back
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
     if ctx.process_group is None and ctx.sources.get("process_group") == _JOINED_GROUP:
         return  # made by another framework (Ray Train), which destroys it itself
@@ -287,3 +298,9 @@ def shutdown(ctx: RunContext) -> None:
         # this call no collective gives them new work.
         drain_gloo_workers()
         dist.destroy_process_group(ctx.process_group)
+
+
+def rerun_plan(ctx: RunContext, rerun: object) -> RerunPlan:
+    """How `accel.preemption` ends a stopped run, from `rerun` and the engine's variables."""
+    joined = ctx.sources.get("process_group") == _JOINED_GROUP
+    return plan_rerun(rerun, os.environ, joined_group=joined)
