@@ -37,7 +37,11 @@ import torch
 import accel
 
 out, steps, save_signal = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+setup_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # a slow start-up, first run only
 ctx = accel.init_distributed(seed=0)
+if setup_s and not (out / "ckpt").exists():
+    (out / f"started-{ctx.rank}").touch()
+    time.sleep(setup_s)  # data and model set-up, a first compile: before accel.preemption
 accel.set_seed(0, ctx=ctx)
 model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -118,9 +122,9 @@ def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subp
     ]
 
 
-def _launch(script: Path, out: Path, tag: str) -> list[subprocess.Popen[str]]:
+def _launch(script: Path, out: Path, tag: str, setup_s: float = 0) -> list[subprocess.Popen[str]]:
     argv = [sys.executable, "-m", "accel", "launch", "--num_processes", "2", "--monitor_interval",
-            "0.2", str(script), str(out), str(STEPS), ""]  # fmt: skip
+            "0.2", str(script), str(out), str(STEPS), "", str(setup_s)]  # fmt: skip
     env = _environment(out, tag)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=out)  # fmt: skip
@@ -306,3 +310,25 @@ def test_an_evicted_machine_and_the_other_both_end_at_once_with_138_and_resume_e
     assert [s["received"] for s in stops] == [None, "SIGTERM"]
     assert [s["signal"] for s in stops] == ["SIGTERM", "SIGTERM"]
     _resume_and_compare(tmp_path, lambda: _two_machines(script, tmp_path, tag, port), reference)
+
+
+def test_a_signal_during_start_up_is_held_and_stops_the_first_step(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    # The scheduler's SIGTERM reaches the launcher while both workers are past
+    # init_distributed but still setting up, before their accel.preemption block.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    [launch] = _launch(script, tmp_path, tag, setup_s=3)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"started-{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and launch.poll() is None, _wait([launch])
+        time.sleep(0.05)
+    launch.send_signal(signal.SIGTERM)
+    [(code, output)] = _wait([launch])
+    assert code == 138, output  # not 143 with "Wrap the training loop in accel.preemption"
+    assert "SIGTERM received before accel.preemption was entered; held" in output
+    assert "Wrap the training loop" not in output
+    stops = _stops(tmp_path)
+    assert [(s["step"], s["received"]) for s in stops] == [(1, "SIGTERM"), (1, "SIGTERM")]
+    _resume_and_compare(tmp_path, lambda: _launch(script, tmp_path, tag), reference)
