@@ -118,9 +118,9 @@ class HeldSignal:
         if self.received is None:
             self.received = name
             print(
-                f"accel: {name} received before accel.preemption was entered; held: the loop "
-                "stops at its first step inside accel.preemption(ctx) (a second one ends the "
-                "process).",
+                f"accel: {name} received outside accel.preemption (during start-up); held: the "
+                "loop stops at its first step inside accel.preemption(ctx) (a second one ends "
+                "the process).",
                 file=sys.stderr,
                 flush=True,
             )

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import comm_device, named_collective, require_group
-from accel._rerun import HeldSignal, Rerun, RerunPlan
+from accel._rerun import HELD_SIGNALS, HeldSignal, Rerun, RerunPlan
 from accel.context import RunContext
 from accel.distributed import rerun_plan
 from accel.process_control import wait_for_everyone
@@ -219,6 +219,10 @@ def preemption(
 def _end(ctx: RunContext, stop: Preemption, plan: RerunPlan) -> None:
     """End a stopped run the way `plan` says: requeue, raise, or exit with its code."""
     what = f"pre-empted by {stop.signal}"
+    for sig in {*HELD_SIGNALS, *_signals(DEFAULT_SIGNALS)}:
+        # Saved and ending: a later stop signal changes nothing (SLURM ends a requeued job's
+        # steps with SIGTERM); the exit code stays the plan's, and the engine's SIGKILL bounds it.
+        signal.signal(sig, signal.SIG_IGN)
     if plan.how == "raise":
         raise RuntimeError(
             f"preemption: {what} on rank {ctx.rank}; the loop saved and stopped. Raised so "
@@ -248,6 +252,8 @@ def _requeue(what: str, plan: RerunPlan) -> None:
         failure = said if done.returncode else ""
     except (OSError, subprocess.TimeoutExpired) as err:
         failure = str(err)
+    if "pending" in failure.lower():  # requeued already (an administrator's scontrol requeue)
+        failure = ""
     if not failure:
         print(
             f"accel.preemption: {what}; SLURM job {plan.job_id} requeued ({' '.join(command)}): "

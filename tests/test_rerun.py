@@ -23,7 +23,7 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2"}
 @pytest.mark.parametrize(
     ("environ", "joined", "how", "engine"),
     [({"SLURM_JOB_ID": "42"}, False, "requeue", "SLURM job 42"),
-     ({**TORCHRUN, "SLURM_JOB_ID": "42"}, False, "requeue", "SLURM job 42"),  # accel launch in sbatch
+     ({**TORCHRUN, "SLURM_JOB_ID": "42"}, False, "requeue", "SLURM job 42"),  # launch in sbatch
      (KUBERNETES, False, "exit", "Kubernetes"), (TORCHRUN, False, "exit", "torchrun"),
      ({}, True, "raise", "Ray Train"), ({}, False, "exit", "the caller")],
 )  # fmt: skip
@@ -69,19 +69,24 @@ def test_leaving_the_block_after_a_stop_exits_138(
     with pytest.raises(SystemExit) as stopped:
         _signalled_block()
     assert stopped.value.code == 138
-    assert "accel.preemption: pre-empted by SIGUSR1; exiting with code 138" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "accel.preemption: pre-empted by SIGUSR1; exiting with code 138" in err
 
 
 def test_an_exit_0_inside_the_block_after_a_stop_becomes_138(default_handlers: None) -> None:
     # what the docs said before: save, then sys.exit(0); the engine would read "finished"
-    with pytest.raises(SystemExit) as stopped, accel.preemption(accel.RunContext()) as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.requested()
-        raise SystemExit(0)
+    def save_then_exit_0() -> None:
+        with accel.preemption(accel.RunContext()) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested()
+            raise SystemExit(0)
+
+    with pytest.raises(SystemExit) as stopped:
+        save_then_exit_0()
     assert stopped.value.code == 138
 
 
-def test_rerun_0_leaves_the_block_as_a_finished_run_and_raise_raises(default_handlers: None) -> None:
+def test_rerun_0_leaves_as_a_finished_run_and_raise_raises(default_handlers: None) -> None:
     assert _signalled_block(rerun=0).signal == "SIGUSR1"  # no exit: the script decides
     with pytest.raises(RuntimeError, match=r"Raised so that Ray Train's FailureConfig"):
         _signalled_block(rerun="raise")

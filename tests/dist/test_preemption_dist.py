@@ -87,7 +87,7 @@ with accel.preemption(ctx) as stop:
                 f.write(json.dumps({"rank": ctx.rank, "step": history.step,
                                     "received": stop.received, "signal": stop.signal}) + "\\n")
             break  # leaving the block ends the process: exit code 138, "run me again"
-        time.sleep(0.05)
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
 params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
 (out / f"result-{ctx.rank}.json").write_text(json.dumps({"losses": history.losses,
                                                          "params": params}))
