@@ -250,13 +250,24 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> bool:
         # One process asked for a backend with no launcher to meet at: a store of its own.
         dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timeout,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+            )
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            # rank 0 hosts the rendezvous (a TCPStore) on the port srun or mpirun agreed on
+            raise RuntimeError(
+                f"init_distributed: the rendezvous port MASTER_PORT={launch.master_port} is in "
+                f"use on {launch.master_addr} (another job, or a process of an earlier run); "
+                "every rank must use the same free port: export another one as MASTER_PORT "
+                "(srun: in the job's environment; mpirun: -x MASTER_PORT=PORT)."
+            ) from None
     # A script that never calls shutdown() would otherwise destroy the group during interpreter
     # finalization, which can abort the process; destroying it is local to this process. Exit
     # hooks run last-registered first: the group is destroyed, then gloo's threads drained.

@@ -35,9 +35,10 @@ def descendants(pid: int) -> list[int]:
 
 # Helper processes that outlive a test by design: run_world's forkserver (one per pytest
 # process, kept for every later world), multiprocessing's resource tracker, and the session's
-# SLURM daemons (tests/slurm_cluster.py; the jobs' processes below them still count).
+# SLURM daemons (tests/slurm_cluster.py; slurmctld forks slurmscriptd); the jobs' processes
+# below them still count.
 _SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
-                    "munged\0", "slurmctld\0", "slurmd\0")  # fmt: skip
+                    "munged\0", "slurmctld\0", "slurmscriptd", "slurmd\0")  # fmt: skip
 
 
 def leftovers(pid: int) -> list[int]:

@@ -182,3 +182,19 @@ def _nothing_left_running() -> None:
         time.sleep(0.2)
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in left]
     assert left == [], commands
+
+
+def test_python_in_the_batch_script_of_a_two_task_job_fails_at_once(
+    slurm: Cluster, tmp_path: Path
+) -> None:
+    # `sbatch --ntasks=2` with `python train.py` but no srun: the batch script is no task;
+    # before, it was taken for rank 0 and waited for rank 1 until the time limit
+    script = tmp_path / "hello.py"
+    script.write_text("import accel\naccel.init_distributed()\n")
+    wrap = f"--wrap={sys.executable} {script}"
+    job = _submit(slurm, tmp_path, "--ntasks=2", "--time=1", wrap, env={})
+    state = slurm.wait_done(job, timeout=120)
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "1:0")
+    log = next(tmp_path.glob("slurm-*.out")).read_text()
+    assert "init_distributed: SLURM_NTASKS=2 but this process is not one of srun's tasks" in log
+    _nothing_left_running()

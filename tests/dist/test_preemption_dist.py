@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,7 +109,9 @@ def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subp
     # job (tests/cli/test_slurm.py does that on real daemons); the port is MASTER_PORT.
     port = _free_port(15000 + os.getpid() % 4000, 20000)
     env = _environment(out, tag)
-    env.update(SLURM_NTASKS="2", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
+    env.update(
+        SLURM_NTASKS="2", SLURM_NODELIST="localhost", SLURM_STEP_ID="0", MASTER_PORT=str(port)
+    )
     return [
         subprocess.Popen(
             [sys.executable, str(script), str(out), str(STEPS), save_signal],
@@ -332,3 +335,59 @@ def test_a_signal_during_start_up_is_held_and_stops_the_first_step(
     stops = _stops(tmp_path)
     assert [(s["step"], s["received"]) for s in stops] == [(1, "SIGTERM"), (1, "SIGTERM")]
     _resume_and_compare(tmp_path, lambda: _launch(script, tmp_path, tag), reference)
+
+
+def _mpirun(script: Path, out: Path, tag: str, port: int) -> list[subprocess.Popen[str]]:
+    """Open MPI's `mpirun -np 2 python train.py`, as root where needed (CI runs as root)."""
+    env = {**_environment(out, tag), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # fmt: skip
+    argv = ["mpirun", "--oversubscribe", "-np", "2", "-x", f"MASTER_PORT={port}", "-x",
+            "PYTHONPATH", "-x", "PREEMPTION_TEST_TAG", sys.executable, str(script), str(out),
+            str(STEPS), ""]  # fmt: skip
+    return [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, cwd=out)]  # fmt: skip
+
+
+@pytest.fixture
+def mpirun() -> None:
+    if (
+        shutil.which("mpirun") is None
+        or "Open MPI"
+        not in subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, check=False
+        ).stdout
+    ):
+        pytest.skip("Open MPI's mpirun is not installed here; `make cluster-engines` installs "
+                    "Debian's openmpi-bin where apt is available")  # fmt: skip
+
+
+def test_real_mpirun_forwards_sigusr1_and_ends_138_then_resumes_exactly(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str, mpirun: None
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    port = _free_port(25000 + os.getpid() % 4000, 30000)
+    procs = _mpirun(script, tmp_path, tag, port)
+    _signal_at(procs, 0, tmp_path, signal.SIGUSR1)  # Open MPI's mpirun forwards SIGUSR1
+    [(code, output)] = _wait(procs)
+    assert code == 138, output  # mpirun exits with its ranks' code
+    stops = _stops(tmp_path)
+    assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]
+    assert stops[0]["step"] == stops[1]["step"] < STEPS
+    _resume_and_compare(tmp_path, lambda: _mpirun(script, tmp_path, tag, port), reference)
+
+
+def test_real_mpirun_on_sigterm_exits_1_though_every_rank_saved(
+    tmp_path: Path, tag: str, mpirun: None
+) -> None:
+    # what docs/scale-out.md says: mpirun passes SIGTERM on, the ranks save and exit 138, and
+    # Open MPI's mpirun still exits 1; SIGUSR1 is the signal to send it
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    procs = _mpirun(script, tmp_path, tag, _free_port(30000 + os.getpid() % 4000, 35000))
+    _signal_at(procs, 0, tmp_path, signal.SIGTERM)
+    [(code, output)] = _wait(procs)
+    assert code == 1, output
+    stops = _stops(tmp_path)
+    assert [s["received"] for s in stops] == ["SIGTERM", "SIGTERM"]
+    assert (tmp_path / "ckpt" / f"step-{stops[0]['step']}").is_dir()
