@@ -177,3 +177,36 @@ def test_mpirun_on_two_machines_without_master_addr_is_one_line(tmp_path: Path) 
         "on several machines (1 on this one); mpirun does not set a rendezvous address. Export "
         "rank 0's host as MASTER_ADDR (mpirun -x MASTER_ADDR=host0 -x MASTER_PORT=29500)."
     )
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+      "SLURM_NODELIST": "127.0.0.1"},
+     {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}],
+    ids=["srun", "mpirun"],
+)  # fmt: skip
+def test_a_busy_rendezvous_port_is_one_line_naming_it(
+    tmp_path: Path, engine: dict[str, str]
+) -> None:
+    # before: a raw DistNetworkError traceback from the TCPStore (EADDRINUSE), no port named
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        base = {k: v for k, v in cli_env(tmp_path).items() if k not in ("RANK", "WORLD_SIZE")}
+        run = subprocess.run(
+            [sys.executable, "-c", "import accel; accel.init_distributed()"],
+            env={**base, **engine, "MASTER_PORT": str(port)}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"RuntimeError: init_distributed: the rendezvous port MASTER_PORT={port} is in use on "
+        "127.0.0.1 (another job, or a process of an earlier run); every rank must use the same "
+        "free port: export another one as MASTER_PORT (srun: in the job's environment; mpirun: "
+        "-x MASTER_PORT=PORT)."
+    )
