@@ -18,6 +18,7 @@ environment in, and `accel.preemption` acts on the plan.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -33,6 +34,9 @@ user-defined retries (128 + SIGUSR1), read by torchrun's --max-restarts and a wr
 Rerun = Literal["auto", "requeue", "raise"] | int
 """`accel.preemption(rerun=...)`: choose from the environment, requeue the SLURM job, raise
 (Ray Train's FailureConfig retries), or exit with this code (0: the run reports finished)."""
+
+JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
+"""`ctx.sources["process_group"]` for a group another framework (Ray Train) created."""
 
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What `init_distributed` holds for `accel.preemption`: its default signals."""
@@ -87,6 +91,12 @@ def plan_rerun(rerun: object, environ: Mapping[str, str], *, joined_group: bool)
     if rerun == "raise" or joined_group:
         return RerunPlan(how="raise", exit_code=PREEMPTED_EXIT_CODE, engine="Ray Train")
     return RerunPlan(how="exit", exit_code=PREEMPTED_EXIT_CODE, engine=_engine(environ))
+
+
+def rerun_plan(sources: Mapping[str, str], rerun: object) -> RerunPlan:
+    """`plan_rerun` for this process: the engine's variables as init_distributed read them."""
+    joined = sources.get("process_group") == JOINED_GROUP
+    return plan_rerun(rerun, os.environ, joined_group=joined)
 
 
 def _engine(environ: Mapping[str, str]) -> str:

@@ -25,7 +25,7 @@ from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
-from accel._rerun import RerunPlan, hold_signals, plan_rerun, release_signals
+from accel._rerun import JOINED_GROUP, hold_signals, release_signals
 from accel._typing import Backend, Precision
 from accel.context import Parallelism, RunContext
 from accel.seeding import check_seed
@@ -37,8 +37,7 @@ _DEFAULT_TIMEOUT = timedelta(minutes=30)
 _OWN = frozenset({"device", "parallelism"})
 
 
-_JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
-"""`ctx.sources["process_group"]` for a group another framework (Ray Train) created."""
+_JOINED_GROUP = JOINED_GROUP
 
 
 def _as_timeout(value: float | timedelta | None) -> timedelta:
@@ -309,9 +308,3 @@ def shutdown(ctx: RunContext) -> None:
         # this call no collective gives them new work.
         drain_gloo_workers()
         dist.destroy_process_group(ctx.process_group)
-
-
-def rerun_plan(ctx: RunContext, rerun: object) -> RerunPlan:
-    """How `accel.preemption` ends a stopped run, from `rerun` and the engine's variables."""
-    joined = ctx.sources.get("process_group") == _JOINED_GROUP
-    return plan_rerun(rerun, os.environ, joined_group=joined)

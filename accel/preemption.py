@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from accel._groups import comm_device, named_collective, require_group
-from accel._rerun import HELD_SIGNALS, HeldSignal, Rerun, RerunPlan
+from accel._rerun import HELD_SIGNALS, HeldSignal, Rerun, RerunPlan, rerun_plan
 from accel.context import RunContext
-from accel.distributed import rerun_plan
 from accel.process_control import wait_for_everyone
 
 __all__ = ["Preemption", "preemption"]
@@ -190,7 +189,7 @@ def preemption(
             f"preemption: every={every!r} is not an int >= 1; it is how many requested() calls "
             "make one check. Pass every=1 to check at every optimizer step."
         )
-    plan = rerun_plan(ctx, rerun)
+    plan = rerun_plan(ctx.sources, rerun)
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             f"preemption: entered in thread {threading.current_thread().name!r}; Python runs "

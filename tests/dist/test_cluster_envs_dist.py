@@ -92,11 +92,15 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every engine's world, started at once (the four share the machine's start-up time)."""
     root = tmp_path_factory.mktemp("engines")
     plain, pet, ompi, mpich = _ports(4)
-    # training-operator's PyTorchJob, one process per pod: MASTER_ADDR and MASTER_PORT
-    # (pkg/controller.v1/pytorch/master.go), WORLD_SIZE = all replicas, RANK = the replica's
-    # index, master first, and PYTHONUNBUFFERED (pkg/controller.v1/pytorch/envvar.go).
+    # training-operator v1.7.0's PyTorchJob, one process per pod (nprocPerNode defaults to
+    # "auto", counted as 1): MASTER_ADDR, MASTER_PORT and their PET_ twins
+    # (pkg/controller.v1/pytorch/master.go), WORLD_SIZE = pods x nprocPerNode, RANK and
+    # PET_NODE_RANK = the pod's index, master first, PET_NPROC_PER_NODE, PET_NNODES and
+    # PYTHONUNBUFFERED (pkg/controller.v1/pytorch/envvar.go).
     pytorchjob = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": plain, "WORLD_SIZE": "2",
-                   "RANK": str(r), "PYTHONUNBUFFERED": "0"} for r in range(2)]  # fmt: skip
+                   "RANK": str(r), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": plain,
+                   "PET_NODE_RANK": str(r), "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "2",
+                   "PYTHONUNBUFFERED": "1"} for r in range(2)]  # fmt: skip
     # Kubeflow Trainer's torch plugin sets torchrun's PET_ defaults per pod (PET_NNODES,
     # PET_NPROC_PER_NODE, PET_NODE_RANK from the Job completion index, PET_MASTER_ADDR,
     # PET_MASTER_PORT: kubeflow/trainer pkg/runtime/framework/plugins/torch/torch.go), and the
