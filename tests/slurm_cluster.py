@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.dist.test_cluster_envs_dist import _ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
 CPUS = 8  # more than this machine may have (config_overrides): tasks plus a launcher each
@@ -77,16 +79,6 @@ class Cluster:
         )
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _config(root: Path, node: str, ports: list[int]) -> str:
     return "\n".join([
         "ClusterName=accel-tests",
@@ -123,7 +115,7 @@ def slurm_cluster(root: Path) -> Iterator[Cluster]:
     key.write_bytes(os.urandom(128))
     key.chmod(0o600)
     node = socket.gethostname()
-    (root / "slurm.conf").write_text(_config(root, node, _free_ports(2)))
+    (root / "slurm.conf").write_text(_config(root, node, [int(p) for p in _ports(2)]))
     env = {"SLURM_CONF": str(root / "slurm.conf")}
     daemons: list[subprocess.Popen[bytes]] = []
     out = (root / "daemons.out").open("ab")
