@@ -330,7 +330,7 @@ def test_a_signal_during_start_up_is_held_and_stops_the_first_step(
     launch.send_signal(signal.SIGTERM)
     [(code, output)] = _wait([launch])
     assert code == 138, output  # not 143 with "Wrap the training loop in accel.preemption"
-    assert "SIGTERM received before accel.preemption was entered; held" in output
+    assert "SIGTERM received outside accel.preemption (during start-up); held" in output
     assert "Wrap the training loop" not in output
     stops = _stops(tmp_path)
     assert [(s["step"], s["received"]) for s in stops] == [(1, "SIGTERM"), (1, "SIGTERM")]
