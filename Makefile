@@ -18,7 +18,7 @@ NO_INSTALL ?=
 INSTALLED      := $(if $(NO_INSTALL),,$(STAMP) $(LINKS))
 INSTALLED_DEMO := $(if $(NO_INSTALL),,$(DEMO_STAMP) $(LINKS))
 
-.PHONY: demo test test-fast flake lint typecheck bench clean dist gpu-check deepspeed-ops
+.PHONY: demo test test-fast flake lint typecheck bench clean dist gpu-check deepspeed-ops cluster-engines
 
 define venv
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,10 +59,27 @@ define failed_tests
 { rc=$$?; $(PY) tools/failures.py $(REPORT); exit $$rc; }
 endef
 
+# The cluster engines the suite drives for real (tests/slurm_cluster.py's SLURM daemons, Open
+# MPI's mpirun): Debian's packages, installed with apt where it is available and this is root
+# (CI: a fresh Debian machine); elsewhere it says so, and the tests that need them are skipped
+# with the reason.
+CLUSTER_PACKAGES := slurm-wlm munge openmpi-bin
+CLUSTER_ENGINES  := $(if $(NO_INSTALL),,cluster-engines)
+cluster-engines:
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v mpirun >/dev/null; then \
+		:; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q $(CLUSTER_PACKAGES) >/dev/null; }; \
+	else \
+		echo "cluster-engines: apt-get as root is not available: the SLURM and mpirun tests are skipped (install $(CLUSTER_PACKAGES))"; \
+	fi
+
 # The whole suite. pytest's exit code 5 (no test collected) fails the target like any other
 # non-zero code: an empty run never passes. The slowest tests are listed so the suite's time
 # (CI's budget is 25 minutes) is watched where it goes.
-test: $(INSTALLED)
+test: $(INSTALLED) $(CLUSTER_ENGINES)
 	rm -f $(REPORT)
 	$(PYTEST) -q --durations=25 $(REPORTED) || $(failed_tests)
 

@@ -57,6 +57,21 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def _check_slurm_step(environ: Mapping[str, str]) -> None:
+    """SLURM_PROCID names a task only inside a job step (srun sets SLURM_STEP_ID); the batch
+    script of `sbatch --ntasks=N` has SLURM_PROCID=0 and SLURM_NTASKS=N too, and taken for rank
+    0 it would wait for N-1 ranks that never start, until the job's time limit."""
+    if "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ:
+        return
+    tasks = environ["SLURM_NTASKS"]
+    raise ValueError(
+        f"init_distributed: SLURM_NTASKS={tasks} but this process is not one of srun's tasks "
+        "(SLURM_STEP_ID is not set: it is the batch script itself); start the script with "
+        f"`srun python train.py` ({tasks} tasks), or with `srun accel launch ...` one task per "
+        "node."
+    )
+
+
 def _slurm_port(environ: Mapping[str, str]) -> int:
     # Every task must pick the same port without talking to the others: derive it from the job
     # id (as Lightning does) unless the user exported MASTER_PORT.
@@ -100,6 +115,7 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             device=environ.get("ACCELERATE_TORCH_DEVICE") or None,
         )
     if "SLURM_PROCID" in environ and _int(environ, "SLURM_NTASKS") > 1:
+        _check_slurm_step(environ)
         world_size = _int(environ, "SLURM_NTASKS")
         num_nodes = _int(environ, "SLURM_NNODES") if "SLURM_NNODES" in environ else 1
         return LaunchEnv(

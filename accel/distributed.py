@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import math
 import os
+import threading
 import warnings
 from datetime import timedelta
 from typing import Literal
@@ -25,6 +26,7 @@ from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
+from accel._rerun import JOINED_GROUP, hold_signals, release_signals
 from accel._typing import Backend, Precision
 from accel.context import Parallelism, RunContext, WrapDefaults
 from accel.seeding import check_seed
@@ -38,8 +40,7 @@ _OWN = frozenset({"device", "parallelism"})
 _WRAP = frozenset(f.name for f in dataclasses.fields(WrapDefaults))
 
 
-_JOINED_GROUP = "existing default group (not accel's: shutdown leaves it)"
-"""`ctx.sources["process_group"]` for a group another framework (Ray Train) created."""
+_JOINED_GROUP = JOINED_GROUP
 
 
 def _as_timeout(value: float | timedelta | None) -> timedelta:
@@ -75,6 +76,10 @@ def init_distributed(
     Works under `accel launch` / torchrun, under SLURM's `srun`, and as a plain `python` process
     (world_size 1, no process group). Arguments override the launcher's `ACCEL_*` variables,
     which override the config file; `ctx.describe()` shows which won.
+
+    Under a launcher, from its first line on, a SIGTERM or SIGUSR1 (a scheduler's pre-emption
+    during start-up) is held for the loop's `accel.preemption` block, which stops at its first
+    step; a second one ends the process as before. `shutdown` gives them back.
 
     Args:
         precision: "fp32", "bf16" or "fp16" autocast, or "fp8" (float8 Linear layers
@@ -115,6 +120,10 @@ def init_distributed(
     wait = _as_timeout(timeout)
     check_seed("init_distributed", seed)
     launch = parse_launch_env(os.environ)
+    if launch.launcher != "none" and threading.current_thread() is threading.main_thread():
+        # From here on a scheduler's stop signal is held for the loop's accel.preemption block
+        # rather than killing the process during start-up (accel/_rerun.py, HeldSignal).
+        hold_signals()
     if parallelism is not None and not isinstance(parallelism, Parallelism):
         raise TypeError(
             f"init_distributed: parallelism={parallelism!r} must be an accel.Parallelism, e.g. "
@@ -244,13 +253,24 @@ def _connect(launch: LaunchEnv, backend: str, timeout: timedelta) -> bool:
         # One process asked for a backend with no launcher to meet at: a store of its own.
         dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timeout,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+            )
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            # rank 0 hosts the rendezvous (a TCPStore) on the port srun or mpirun agreed on
+            raise RuntimeError(
+                f"init_distributed: the rendezvous port MASTER_PORT={launch.master_port} is in "
+                f"use on {launch.master_addr} (another job, or a process of an earlier run); "
+                "every rank must use the same free port: export another one as MASTER_PORT "
+                "(srun: in the job's environment; mpirun: -x MASTER_PORT=PORT)."
+            ) from None
     # A script that never calls shutdown() would otherwise destroy the group during interpreter
     # finalization, which can abort the process; destroying it is local to this process. Exit
     # hooks run last-registered first: the group is destroyed, then gloo's threads drained.
@@ -280,6 +300,7 @@ def shutdown(ctx: RunContext) -> None:
         >>> from accel import init_distributed, shutdown
         >>> shutdown(init_distributed(device="cpu"))
     """
+    release_signals()  # the stop signals init_distributed held get their default action back
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
     if ctx.process_group is None and ctx.sources.get("process_group") == _JOINED_GROUP:
         return  # made by another framework (Ray Train), which destroys it itself

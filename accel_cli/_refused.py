@@ -12,9 +12,13 @@ _MEGATRON = "accel does not wrap Megatron-LM; use --use_fsdp or the parallelism_
 
 REFUSED: dict[str, str] = {
     "mpirun_hostfile": (
-        "accel launch starts the workers with torchrun, not mpirun; start them with "
-        "`mpirun -f HOSTFILE ... python train.py` instead, whose ranks init_distributed reads "
-        "(docs/scale-out.md)"
+        "accel launch starts the workers with torchrun, not mpirun; start them with mpirun "
+        "yourself, whose ranks init_distributed reads (docs/scale-out.md): `mpirun --hostfile "
+        "HOSTFILE ... python train.py` (Open MPI), `mpirun -f HOSTFILE ...` (MPICH, Intel MPI)"
+    ),
+    "mpirun_ccl": (
+        "accel launch starts the workers with torchrun, not mpirun with oneCCL; start them with "
+        "mpirun yourself (docs/scale-out.md): they meet over gloo at MASTER_ADDR:MASTER_PORT"
     ),
     "no_python": "accel launch runs Python scripts (or -m modules) only",
     "debug": "accel launch always shows each failed worker's traceback and a summary line",

@@ -12,8 +12,9 @@ newest two kept), metrics.jsonl, loss.csv and the loss curve loss.png (with matp
 draws the same curve; --resume continues from the newest complete checkpoint, adds to the
 record, and ends with exactly the losses an uninterrupted run has. At the end rank 0 prints a
 sample of generated text. A SIGTERM or SIGUSR1 (a cluster's pre-emption; signal `accel launch`)
-stops every rank at the next optimizer step, which is saved; the run exits 0 and continues with
---resume (examples/slurm.sbatch and examples/pytorchjob.yaml run it on a cluster).
+stops every rank at the next optimizer step, which is saved; the run ends as its engine reads
+"not finished" (the SLURM job is requeued; elsewhere exit code 138) and continues with --resume
+(examples/slurm.sbatch and examples/pytorchjob.yaml run it on a cluster).
 """
 
 from __future__ import annotations
@@ -213,10 +214,9 @@ def main() -> None:
                 stopping = stop.requested()
                 if step % args.ckpt_every == 0 or step == args.steps or stopping:
                     accel.save_checkpoint(ctx, args.out / "checkpoints", state, step=step, keep=2)
-                if stopping:
+                if stopping:  # leaving the block tells the engine to run the job again
                     if ctx.is_main:
                         print(f"pre-empted at step {step}: saved; rerun with --resume", flush=True)
-                    accel.shutdown(ctx)
                     return
                 if step == args.steps:
                     break

@@ -7,13 +7,18 @@ ranks, `accel` commands), seconds apiece, so `make test-fast` (`-m "not slow"`) 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch.distributed as dist
 
 from tests.env_guard import leaked
+
+if TYPE_CHECKING:
+    from tests.slurm_cluster import Cluster
 
 PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
 
@@ -41,3 +46,24 @@ def _no_leaks() -> Iterator[None]:
             del os.environ[k]
     assert not leaked_group, "the test left a torch.distributed process group initialised"
     assert not changed, f"the test changed environment variables {sorted(changed)}"
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[Cluster]:
+    """A real one-node SLURM cluster for the session (tests/slurm_cluster.py); skipped, with
+    the reason, where Debian's slurm-wlm and munge are not installed."""
+    from tests.slurm_cluster import missing, slurm_cluster
+
+    if absent := missing():
+        pytest.skip(
+            f"SLURM is not installed here ({', '.join(absent)} not found); `make "
+            "cluster-engines` installs Debian's slurm-wlm and munge where apt is available"
+        )
+    if os.geteuid() != 0:
+        pytest.skip("the test SLURM cluster runs its daemons as root (SlurmUser=root)")
+    # a short path: munged's socket lives there (a Unix socket path has at most 107 bytes)
+    with (
+        tempfile.TemporaryDirectory(prefix="accel-slurm-") as root,
+        slurm_cluster(Path(root) / "cluster") as cluster,
+    ):
+        yield cluster

@@ -33,9 +33,12 @@ def descendants(pid: int) -> list[int]:
     return [p for p in found if alive(p)]
 
 
-# Python's own helper processes that outlive a test by design: run_world's forkserver (one per
-# pytest process, kept for every later world) and multiprocessing's resource tracker.
-_SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+# Helper processes that outlive a test by design: run_world's forkserver (one per pytest
+# process, kept for every later world), multiprocessing's resource tracker, and the session's
+# SLURM daemons (tests/slurm_cluster.py; slurmctld forks slurmscriptd); the jobs' processes
+# below them still count.
+_SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
+                    "munged\0", "slurmctld\0", "slurmscriptd", "slurmd\0")  # fmt: skip
 
 
 def leftovers(pid: int) -> list[int]:

@@ -208,6 +208,7 @@ SHARED_PRIVATE = frozenset(
         # FSDPOptions and the compile mode: RunContext holds them, parallel/ applies them
         "_options",
         "_parallelism",
+        "_rerun",  # how a pre-empted run ends: preemption acts on it, init_distributed holds
         "_size",
         "_tree",
         "_typing",

@@ -155,6 +155,7 @@ def test_slurm_environment_is_parsed() -> None:
     env = {
         "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
         "SLURM_NODEID": "1", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "0",
     }  # fmt: skip
     launch = parse_launch_env(env)
     assert (launch.launcher, launch.rank, launch.world_size, launch.local_rank) == (
@@ -166,6 +167,20 @@ def test_slurm_environment_is_parsed() -> None:
     assert (launch.local_world_size, launch.node_rank, launch.num_nodes) == (2, 1, 2)
     assert (launch.master_addr, launch.master_port) == ("gpu07", 15000 + 123456 % 5000)
     assert parse_launch_env({**env, "MASTER_PORT": "4000"}).master_port == 4000
+
+
+def test_the_batch_script_of_a_several_task_job_is_not_rank_0() -> None:
+    # `sbatch --ntasks=2` then `python train.py` without srun: the batch script has
+    # SLURM_PROCID=0 and SLURM_NTASKS=2 but is in no job step; taken for rank 0 it waited for
+    # a rank 1 that never starts, until the time limit (issue 43)
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n1"}
+    with pytest.raises(
+        ValueError,
+        match=r"^init_distributed: SLURM_NTASKS=2 but this process is "
+        r"not one of srun's tasks .* `srun python train.py` \(2 tasks\)",
+    ):
+        parse_launch_env(batch)
+    assert parse_launch_env({**batch, "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0"}).world_size == 2
 
 
 def test_single_task_slurm_and_plain_runs_are_one_process() -> None:

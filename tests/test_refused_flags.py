@@ -16,7 +16,8 @@ def _parse(argv: list[str]) -> object:
 @pytest.mark.parametrize(
     ("flags", "name"),
     [(["--mpirun_hostfile", "hosts"], "mpirun_hostfile"), (["--mpirun-hostfile=hosts"],
-     "mpirun_hostfile"), (["-q"], "quiet"), (["--tpu"], "tpu"), (["--role", "w"], "role"),
+     "mpirun_hostfile"), (["--mpirun_ccl", "2"], "mpirun_ccl"), (["-q"], "quiet"),
+     (["--tpu"], "tpu"), (["--role", "w"], "role"),
      (["--megatron_lm_tp_degree", "2"], "megatron_lm_tp_degree"),
      (["--parallelism_config_sp_size", "2"], "parallelism_config_sp_size")],
 )  # fmt: skip
@@ -48,3 +49,9 @@ def test_every_accelerate_launch_flag_is_a_flag_of_accel_launch() -> None:
 def test_same_network_and_rdzv_conf_are_taken() -> None:
     args = _parse(["launch", "--same_network", "--rdzv_conf", "join_timeout=9", "train.py"])
     assert args.same_network is True and args.rdzv_conf == "join_timeout=9"  # type: ignore[attr-defined]
+
+
+def test_the_hostfile_refusal_names_open_mpi_and_mpich_spellings() -> None:
+    # Open MPI's mpirun has no -f; MPICH's Hydra takes -f (issue 43)
+    assert "mpirun --hostfile HOSTFILE" in REFUSED["mpirun_hostfile"]
+    assert "`mpirun -f HOSTFILE ...` (MPICH, Intel MPI)" in REFUSED["mpirun_hostfile"]

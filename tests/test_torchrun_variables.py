@@ -39,3 +39,16 @@ def test_disagreeing_variables_are_one_line_naming_them(monkeypatch: pytest.Monk
             Config(num_machines=2, num_processes=8, machine_rank=1,
                    main_process_ip="job-node-0-0.job", main_process_port=29500)
         )  # fmt: skip
+
+
+def test_a_pytorchjob_pod_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    # training-operator v1.7.0 sets PET_* in every PyTorchJob pod too, next to MASTER_ADDR,
+    # MASTER_PORT, WORLD_SIZE (pods x nprocPerNode) and RANK (pkg/controller.v1/pytorch/
+    # envvar.go, master.go); the refusal named only TrainJob (issue 43)
+    pod = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "16", "RANK": "1",
+           "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456", "PET_NNODES": "2",
+           "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "1"}  # fmt: skip
+    for var, value in pod.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=r"set by Kubeflow's PyTorchJob since training-operator"):
+        check_launch_environment(Config(num_machines=16, num_processes=16, machine_rank=1))

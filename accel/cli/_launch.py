@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from accel import config as _config
+from accel._rerun import PREEMPTED_EXIT_CODE
 from accel._settings.table import build, environment
 from accel.cli import _signals
 from accel.cli._accelerate_env import accelerate_environment
@@ -182,6 +183,10 @@ def _free_port() -> int:
 
 def _check_port_free(port: int | None) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As torch's TCPStore binds its server socket: the connections of the run that just
+        # ended on this port linger in TIME_WAIT for a minute, which stops a plain bind but
+        # not the store's; only a socket that listens there now makes the port busy.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", int(port or 0)))
         except OSError:
@@ -211,7 +216,14 @@ _SHUTDOWN_LOGS = MappingProxyType(
 )
 
 
+# ... and what it logs when a worker exits non-zero, which after a pre-emption (exit code 138 on
+# every worker) is the plan, said by the launcher's own line.
+_FAILED_LOG = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+
 def _drop_shutdown_log(record: logging.LogRecord) -> bool:
+    if record.msg == _FAILED_LOG and isinstance(record.args, tuple) and record.args:
+        return record.args[0] != PREEMPTED_EXIT_CODE
     return record.msg != _SHUTDOWN_LOGS.get(record.name)
 
 
@@ -260,6 +272,11 @@ def run(args: argparse.Namespace) -> int:
         with _quiet_shutdown():
             torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
+        codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+        stopped = _signals.preempted_line(codes, "a pre-emption stopped the run")
+        if stopped is not None:  # this machine was not signalled; another one was
+            print(stopped, file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         print(failure_summary(err.failures), file=sys.stderr)
         return 1
     except SignalException as err:  # a scheduler's stop signal, forwarded to the workers

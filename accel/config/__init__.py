@@ -333,7 +333,7 @@ def check_launch_environment(config: Config, settings: Mapping[str, Any] | None 
 
 
 def _check_torchrun_variables(config: Config, environ: Mapping[str, str]) -> None:
-    """Refuse torchrun's `PET_*` defaults (Kubeflow's TrainJob sets them for `torchrun`) that
+    """Refuse torchrun's `PET_*` defaults (Kubeflow's PyTorchJob and TrainJob set them) that
     disagree with the launch settings: accel launch passes its own, which torchrun would take."""
     machines = config.num_machines
     ours = {
@@ -352,7 +352,8 @@ def _check_torchrun_variables(config: Config, environ: Mapping[str, str]) -> Non
             wrong.append(f"{var}={theirs} but {shown}")
     if wrong:
         raise ValueError(
-            f"accel launch: torchrun's variables (set by Kubeflow's TrainJob) disagree with the "
+            f"accel launch: torchrun's variables (set by Kubeflow's PyTorchJob since "
+            "training-operator 1.7, and by its TrainJob) disagree with the "
             f"launch settings: {'; '.join(wrong)}. Pass the same values as flags (e.g. "
             "--num_machines $PET_NNODES --num_processes $((PET_NNODES*PET_NPROC_PER_NODE)) "
             "--machine_rank $PET_NODE_RANK --main_process_ip $PET_MASTER_ADDR "

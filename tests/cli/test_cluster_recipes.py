@@ -90,14 +90,19 @@ def test_the_pytorchjob_pods_start_one_launcher_each(
     assert [specs[r]["replicas"] for r in ("Master", "Worker")] == [1, 1]
     record = tmp_path / "record.jsonl"
     path = _fake_path(tmp_path)
+    assert [specs[r]["restartPolicy"] for r in ("Master", "Worker")] == ["ExitCode"] * 2
+    nproc = manifest["spec"]["nprocPerNode"]
     for rank, role in enumerate(("Master", "Worker")):
         container = specs[role]["template"]["spec"]["containers"][0]
         assert container["name"] == "pytorch"  # the operator adds its variables to this one
-        # What training-operator sets in each pod (pkg/controller.v1/pytorch/envvar.go and
-        # master.go): WORLD_SIZE = replicas of all types, RANK = index, Master first.
+        # What training-operator v1.7.0 sets in each pod (pkg/controller.v1/pytorch/envvar.go,
+        # master.go): MASTER_* and PET_MASTER_*, WORLD_SIZE = pods x nprocPerNode, RANK and
+        # PET_NODE_RANK = the pod's index (Master first), PET_NPROC_PER_NODE, PET_NNODES.
         env = {"PATH": path, "RECORD": str(record), "MASTER_ADDR": "char-lm-master-0",
-               "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": str(rank),
-               "PYTHONUNBUFFERED": "0"}  # fmt: skip
+               "MASTER_PORT": "23456", "PET_MASTER_ADDR": "char-lm-master-0",
+               "PET_MASTER_PORT": "23456", "WORLD_SIZE": str(2 * int(nproc)), "RANK": str(rank),
+               "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": nproc, "PET_NNODES": "2",
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
         run = subprocess.run(container["command"], env=env, capture_output=True, text=True,
                              timeout=60)  # fmt: skip
         assert run.returncode == 0, run.stderr
@@ -106,5 +111,7 @@ def test_the_pytorchjob_pods_start_one_launcher_each(
             monkeypatch.setattr(_launch, "_check_port_free", lambda port: None)
         torchrun = _torchrun_argv(argv, monkeypatch, tmp_path)
         assert torchrun[:4] == ["--nnodes", "2", "--nproc-per-node", "8"]
-        assert torchrun[8:14] == ["--node-rank", str(rank), "--master-addr", "char-lm-master-0",
-                                  "--master-port", "23456"]  # fmt: skip
+        at = torchrun.index("--node-rank")
+        assert torchrun[at : at + 6] == ["--node-rank", str(rank), "--master-addr",
+                                         "char-lm-master-0", "--master-port", "23456"]  # fmt: skip
+        assert torchrun[torchrun.index("--shutdown-timeout") + 1] == "100"  # < the grace period

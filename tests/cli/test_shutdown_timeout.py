@@ -58,7 +58,7 @@ def test_workers_still_saving_when_the_grace_period_ends_are_killed(tmp_path: Pa
         waited = time.monotonic() - start
     assert launch.returncode == 128 + signal.SIGTERM, err
     # the agent passed SIGTERM on, waited 2 s, then killed the saves (30 s each) with SIGKILL
-    assert "SIGTERM received; the workers did not all exit 0" in err, err
+    assert "SIGTERM received; the workers did not all stop cleanly" in err, err
     assert "0: -9" in err and "1: -9" in err, err
     assert waited < 20, waited  # torchrun's default grace period (30 s) would have let them save
     assert not [pid for pid in workers if alive(pid)]

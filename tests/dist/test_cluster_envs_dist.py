@@ -92,11 +92,15 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every engine's world, started at once (the four share the machine's start-up time)."""
     root = tmp_path_factory.mktemp("engines")
     plain, pet, ompi, mpich = _ports(4)
-    # training-operator's PyTorchJob, one process per pod: MASTER_ADDR and MASTER_PORT
-    # (pkg/controller.v1/pytorch/master.go), WORLD_SIZE = all replicas, RANK = the replica's
-    # index, master first, and PYTHONUNBUFFERED (pkg/controller.v1/pytorch/envvar.go).
+    # training-operator v1.7.0's PyTorchJob, one process per pod (nprocPerNode defaults to
+    # "auto", counted as 1): MASTER_ADDR, MASTER_PORT and their PET_ twins
+    # (pkg/controller.v1/pytorch/master.go), WORLD_SIZE = pods x nprocPerNode, RANK and
+    # PET_NODE_RANK = the pod's index, master first, PET_NPROC_PER_NODE, PET_NNODES and
+    # PYTHONUNBUFFERED (pkg/controller.v1/pytorch/envvar.go).
     pytorchjob = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": plain, "WORLD_SIZE": "2",
-                   "RANK": str(r), "PYTHONUNBUFFERED": "0"} for r in range(2)]  # fmt: skip
+                   "RANK": str(r), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": plain,
+                   "PET_NODE_RANK": str(r), "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "2",
+                   "PYTHONUNBUFFERED": "1"} for r in range(2)]  # fmt: skip
     # Kubeflow Trainer's torch plugin sets torchrun's PET_ defaults per pod (PET_NNODES,
     # PET_NPROC_PER_NODE, PET_NODE_RANK from the Job completion index, PET_MASTER_ADDR,
     # PET_MASTER_PORT: kubeflow/trainer pkg/runtime/framework/plugins/torch/torch.go), and the
@@ -176,4 +180,37 @@ def test_mpirun_on_two_machines_without_master_addr_is_one_line(tmp_path: Path) 
         "ValueError: init_distributed: MASTER_ADDR is not set for an mpirun world of 2 processes "
         "on several machines (1 on this one); mpirun does not set a rendezvous address. Export "
         "rank 0's host as MASTER_ADDR (mpirun -x MASTER_ADDR=host0 -x MASTER_PORT=29500)."
+    )
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+      "SLURM_NODELIST": "127.0.0.1"},
+     {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}],
+    ids=["srun", "mpirun"],
+)  # fmt: skip
+def test_a_busy_rendezvous_port_is_one_line_naming_it(
+    tmp_path: Path, engine: dict[str, str]
+) -> None:
+    # before: a raw DistNetworkError traceback from the TCPStore (EADDRINUSE), no port named
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        base = {k: v for k, v in cli_env(tmp_path).items() if k not in ("RANK", "WORLD_SIZE")}
+        run = subprocess.run(
+            [sys.executable, "-c", "import accel; accel.init_distributed()"],
+            env={**base, **engine, "MASTER_PORT": str(port)}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"RuntimeError: init_distributed: the rendezvous port MASTER_PORT={port} is in use on "
+        "127.0.0.1 (another job, or a process of an earlier run); every rank must use the same "
+        "free port: export another one as MASTER_PORT (srun: in the job's environment; mpirun: "
+        "-x MASTER_PORT=PORT)."
     )

@@ -378,7 +378,7 @@ def slurm_like(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     port = _free_port(15000 + os.getpid() % 4000, 20000)  # srun derives the port from the job id
     envs = [
         {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NTASKS": "2",
-         "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": str(port - 15000)}
+         "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": str(port - 15000), "SLURM_STEP_ID": "0"}
         for r in range(2)
     ]  # fmt: skip
     return _launch(tmp_path_factory.mktemp("slurm"), "basic", 60.0, envs)

@@ -2,14 +2,16 @@
 
 The scheduler's part is played by this test: it sends the signal as SLURM or Kubernetes does,
 to the launcher process (`accel launch`, where torchrun's agent forwards it to the workers) or
-to one srun task only. Every interrupted run is resubmitted and must end with the losses and
-parameters, bit for bit, of the uninterrupted run (srun-style, the reference).
+to one srun task only. Every interrupted run ends with exit code 138 ("not finished, run me
+again"; no SLURM_JOB_ID here, so nothing to requeue), is resubmitted, and must end with the
+losses and parameters, bit for bit, of the uninterrupted run (srun-style, the reference).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +38,11 @@ import torch
 import accel
 
 out, steps, save_signal = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+setup_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # a slow start-up, first run only
 ctx = accel.init_distributed(seed=0)
+if setup_s and not (out / "ckpt").exists():
+    (out / f"started-{ctx.rank}").touch()
+    time.sleep(setup_s)  # data and model set-up, a first compile: before accel.preemption
 accel.set_seed(0, ctx=ctx)
 model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -80,10 +86,9 @@ with accel.preemption(ctx) as stop:
                 print(f"pre-empted at step {history.step}; saved {root}/step-{history.step}")
             with open(out / "stops.jsonl", "a") as f:
                 f.write(json.dumps({"rank": ctx.rank, "step": history.step,
-                                    "received": stop.received}) + "\\n")
-            accel.shutdown(ctx)
-            sys.exit(0)
-        time.sleep(0.05)
+                                    "received": stop.received, "signal": stop.signal}) + "\\n")
+            break  # leaving the block ends the process: exit code 138, "run me again"
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
 params = [p.tolist() for p in accel.unwrap_model(model).parameters()]
 (out / f"result-{ctx.rank}.json").write_text(json.dumps({"losses": history.losses,
                                                          "params": params}))
@@ -100,11 +105,13 @@ def _environment(tmp: Path, tag: str) -> dict[str, str]:
 
 def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subprocess.Popen[str]]:
     # What srun sets for `srun --ntasks 2 python train.py` on one node (SLURM's srun(1) "OUTPUT
-    # ENVIRONMENT VARIABLES"); accel derives the port from SLURM_JOB_ID, as in
-    # tests/dist/test_distributed_dist.py.
+    # ENVIRONMENT VARIABLES"), less SLURM_JOB_ID: a job id would make the stop requeue that
+    # job (tests/cli/test_slurm.py does that on real daemons); the port is MASTER_PORT.
     port = _free_port(15000 + os.getpid() % 4000, 20000)
     env = _environment(out, tag)
-    env.update(SLURM_NTASKS="2", SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000))
+    env.update(
+        SLURM_NTASKS="2", SLURM_NODELIST="localhost", SLURM_STEP_ID="0", MASTER_PORT=str(port)
+    )
     return [
         subprocess.Popen(
             [sys.executable, str(script), str(out), str(STEPS), save_signal],
@@ -118,9 +125,9 @@ def _srun(script: Path, out: Path, tag: str, save_signal: str = "") -> list[subp
     ]
 
 
-def _launch(script: Path, out: Path, tag: str) -> list[subprocess.Popen[str]]:
+def _launch(script: Path, out: Path, tag: str, setup_s: float = 0) -> list[subprocess.Popen[str]]:
     argv = [sys.executable, "-m", "accel", "launch", "--num_processes", "2", "--monitor_interval",
-            "0.2", str(script), str(out), str(STEPS), ""]  # fmt: skip
+            "0.2", str(script), str(out), str(STEPS), "", str(setup_s)]  # fmt: skip
     env = _environment(out, tag)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=out)  # fmt: skip
@@ -200,12 +207,12 @@ def test_sigusr1_to_accel_launch_stops_every_rank_saves_and_exits_0(
     procs = _launch(script, tmp_path, tag)
     _signal_at(procs, 0, tmp_path, signal.SIGUSR1)
     [(code, output)] = _wait(procs)
-    assert code == 0, output
+    assert code == 138, output  # not finished: run me again
     stops = _stops(tmp_path)
     assert [s["step"] for s in stops] == [stops[0]["step"]] * 2  # the same step on both ranks
     assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]  # the agent forwarded it
     assert f"pre-empted at step {stops[0]['step']}; saved" in output
-    assert "every worker of this node stopped cleanly" in output
+    assert "SIGUSR1 received; every worker of this node saved and stopped: exit code 138" in output
     assert stops[0]["step"] < STEPS
     _resume_and_compare(tmp_path, lambda: _launch(script, tmp_path, tag), reference)
 
@@ -218,11 +225,13 @@ def test_sigterm_to_one_srun_task_stops_both_at_the_same_step(
     procs = _srun(script, tmp_path, tag)
     _signal_at(procs, 1, tmp_path, signal.SIGTERM)  # rank 1 only
     runs = _wait(procs)
-    assert [code for code, _ in runs] == [0, 0], runs
+    assert [code for code, _ in runs] == [138, 138], runs
     stops = _stops(tmp_path)
     assert stops[0]["step"] == stops[1]["step"] < STEPS
     assert [s["received"] for s in stops] == [None, "SIGTERM"]  # rank 0 learned it by agreement
+    assert [s["signal"] for s in stops] == ["SIGTERM", "SIGTERM"]  # and which signal it was
     assert runs[0][1].count("pre-empted at step") == 1  # one line, from the main process
+    assert "accel.preemption: pre-empted by SIGTERM; exiting with code 138" in runs[0][1]
     _resume_and_compare(tmp_path, lambda: _srun(script, tmp_path, tag), reference)
 
 
@@ -232,7 +241,7 @@ def test_a_signal_during_a_save_leaves_that_checkpoint_whole_and_stops_after_it(
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     runs = _wait(_srun(script, tmp_path, tag, save_signal="SIGUSR1"))  # rank 0, saving step 8
-    assert [code for code, _ in runs] == [0, 0], runs
+    assert [code for code, _ in runs] == [138, 138], runs
     stops = _stops(tmp_path)
     assert [s["step"] for s in stops] == [9, 9]  # the save finished; the next boundary stopped
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-8", "step-9"]
@@ -258,3 +267,127 @@ class _Plain:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
+
+
+def _two_machines(script: Path, out: Path, tag: str, port: int) -> list[subprocess.Popen[str]]:
+    """Two `accel launch` processes as two machines on the loopback, as two Kubernetes pods
+    run them (examples/pytorchjob.yaml: static rendezvous at machine 0, no restarts)."""
+    common = ["--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(port), "--monitor_interval", "0.2", str(script),
+              str(out), str(STEPS), ""]  # fmt: skip
+    env = _environment(out, tag)
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "accel", "launch", "--machine_rank", str(rank), *common],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=out,
+        )
+        for rank in (0, 1)
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_an_evicted_machine_and_the_other_both_end_at_once_with_138_and_resume_exactly(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    # Kubernetes evicts one pod: only machine 1's launcher gets SIGTERM. Machine 0's workers
+    # learn it by agreement, save and exit 138: its agent must not wait 300 s in torchrun's
+    # exit barrier for an agent that stopped on a signal, and its launcher exits 138 too, so
+    # that the operator restarts both pods (restartPolicy: ExitCode).
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    port = _free_port(20000 + os.getpid() % 4000, 25000)
+    procs = _two_machines(script, tmp_path, tag, port)
+    _signal_at(procs, 1, tmp_path, signal.SIGTERM)
+    sent = time.monotonic()
+    runs = _wait(procs)
+    waited = time.monotonic() - sent
+    assert [code for code, _ in runs] == [138, 138], runs
+    assert waited < 60, (waited, runs)  # torchrun's exit barrier would hold machine 0 for 300 s
+    assert "a pre-emption stopped the run; every worker of this node saved" in runs[0][1]
+    assert "SIGTERM received; every worker of this node saved and stopped" in runs[1][1]
+    stops = _stops(tmp_path)
+    assert [s["received"] for s in stops] == [None, "SIGTERM"]
+    assert [s["signal"] for s in stops] == ["SIGTERM", "SIGTERM"]
+    _resume_and_compare(tmp_path, lambda: _two_machines(script, tmp_path, tag, port), reference)
+
+
+def test_a_signal_during_start_up_is_held_and_stops_the_first_step(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str
+) -> None:
+    # The scheduler's SIGTERM reaches the launcher while both workers are past
+    # init_distributed but still setting up, before their accel.preemption block.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    [launch] = _launch(script, tmp_path, tag, setup_s=3)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"started-{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and launch.poll() is None, _wait([launch])
+        time.sleep(0.05)
+    launch.send_signal(signal.SIGTERM)
+    [(code, output)] = _wait([launch])
+    assert code == 138, output  # not 143 with "Wrap the training loop in accel.preemption"
+    assert "SIGTERM received outside accel.preemption (during start-up); held" in output
+    assert "Wrap the training loop" not in output
+    stops = _stops(tmp_path)
+    assert [(s["step"], s["received"]) for s in stops] == [(1, "SIGTERM"), (1, "SIGTERM")]
+    _resume_and_compare(tmp_path, lambda: _launch(script, tmp_path, tag), reference)
+
+
+def _mpirun(script: Path, out: Path, tag: str, port: int) -> list[subprocess.Popen[str]]:
+    """Open MPI's `mpirun -np 2 python train.py`, as root where needed (CI runs as root)."""
+    env = {**_environment(out, tag), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # fmt: skip
+    argv = ["mpirun", "--oversubscribe", "-np", "2", "-x", f"MASTER_PORT={port}", "-x",
+            "PYTHONPATH", "-x", "PREEMPTION_TEST_TAG", sys.executable, str(script), str(out),
+            str(STEPS), ""]  # fmt: skip
+    return [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, cwd=out)]  # fmt: skip
+
+
+@pytest.fixture
+def mpirun() -> None:
+    if (
+        shutil.which("mpirun") is None
+        or "Open MPI"
+        not in subprocess.run(
+            ["mpirun", "--version"], capture_output=True, text=True, check=False
+        ).stdout
+    ):
+        pytest.skip("Open MPI's mpirun is not installed here; `make cluster-engines` installs "
+                    "Debian's openmpi-bin where apt is available")  # fmt: skip
+
+
+def test_real_mpirun_forwards_sigusr1_and_ends_138_then_resumes_exactly(
+    tmp_path: Path, reference: list[dict[str, Any]], tag: str, mpirun: None
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    port = _free_port(25000 + os.getpid() % 4000, 30000)
+    procs = _mpirun(script, tmp_path, tag, port)
+    _signal_at(procs, 0, tmp_path, signal.SIGUSR1)  # Open MPI's mpirun forwards SIGUSR1
+    [(code, output)] = _wait(procs)
+    assert code == 138, output  # mpirun exits with its ranks' code
+    stops = _stops(tmp_path)
+    assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]
+    assert stops[0]["step"] == stops[1]["step"] < STEPS
+    _resume_and_compare(tmp_path, lambda: _mpirun(script, tmp_path, tag, port), reference)
+
+
+def test_real_mpirun_on_sigterm_exits_1_though_every_rank_saved(
+    tmp_path: Path, tag: str, mpirun: None
+) -> None:
+    # what docs/scale-out.md says: mpirun passes SIGTERM on, the ranks save and exit 138, and
+    # Open MPI's mpirun still exits 1; SIGUSR1 is the signal to send it
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    procs = _mpirun(script, tmp_path, tag, _free_port(30000 + os.getpid() % 4000, 35000))
+    _signal_at(procs, 0, tmp_path, signal.SIGTERM)
+    [(code, output)] = _wait(procs)
+    assert code == 1, output
+    stops = _stops(tmp_path)
+    assert [s["received"] for s in stops] == ["SIGTERM", "SIGTERM"]
+    assert (tmp_path / "ckpt" / f"step-{stops[0]['step']}").is_dir()
