@@ -1,0 +1,216 @@
+"""The layout of an estimate (from a launch config, checked as `accel launch` checks it), its
+distinct roles, one role's run in the fake world, and the model a command-line spec names."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel import config as _config
+from accel._parallelism import Parallelism
+from accel.context import RunContext
+from accel.estimate._step import StepSpec, Usage, run_steps
+
+# Where a layout's settings come from that RunContext sets itself.
+_OWN = frozenset({"device", "parallelism"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """A launch config resolved: world, mesh, the settings every rank's context carries."""
+
+    world_size: int
+    local_world_size: int
+    parallelism: Parallelism
+    strategy: str
+    precision: str
+    settings: tuple[tuple[str, Any], ...]
+    """RunContext fields from the config (precision, fsdp, activation_checkpointing, ...)."""
+
+
+def layout(config: _config.Config | str | os.PathLike[str] | None) -> Layout:
+    """Resolve `config` as `accel launch` and `init_distributed` would; refuse what cannot run."""
+    if config is None:
+        config = _config.Config()
+    elif not isinstance(config, _config.Config):
+        config = _config.load_config(config)  # a YAML file, checked as accel launch checks it
+    if config.num_processes % config.num_machines:
+        raise ValueError(
+            f"num_processes={config.num_processes} is not divisible by "
+            f"num_machines={config.num_machines}; num_processes counts processes over all "
+            "machines (as in Accelerate's config)."
+        )
+    settings = _config.resolve_settings({}, {}, config)
+    world = config.num_processes
+    sizes = settings.get("parallelism", (Parallelism(dp_replicate=world), ""))[0]
+    resolved = sizes.resolve(world)  # the error accel launch gives for sizes that do not fill
+    values = {k: v for k, (v, _) in settings.items() if k not in _OWN}
+    if values.get("precision") == "fp8":
+        raise NotImplementedError(
+            "estimate_memory: mixed_precision='fp8' (torchao's float8 Linear layers) is not "
+            "estimated; estimate with bf16 (the layers around float8 matmuls are bf16), "
+            "--mixed_precision bf16."
+        )
+    return Layout(
+        world_size=world,
+        local_world_size=world // config.num_machines,
+        parallelism=resolved,
+        strategy=_strategy(resolved, values),
+        precision=str(values.get("precision", "fp32")),
+        settings=tuple(sorted(values.items())),
+    )
+
+
+def _strategy(p: Parallelism, values: dict[str, Any]) -> str:
+    if values.get("deepspeed") is not None:
+        return "deepspeed"
+    sharded = p.dp_shard > 1 or p.cp > 1
+    data = ("hsdp" if p.dp_replicate > 1 else "fsdp2") if sharded else (
+        "ddp" if p.dp_replicate > 1 else "none")  # fmt: skip
+    if p.tp > 1:
+        data = "tp" if data == "none" else f"{data}+tp"
+    return f"pp+{data}" if p.pp > 1 else data
+
+
+def roles(layout: Layout) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(role, its ranks) for each distinct role: each pipeline stage, else every rank."""
+    p, world = layout.parallelism, layout.world_size
+    if p.pp == 1:
+        yield "every rank", tuple(range(world))
+        return
+    per_stage = world // p.pp
+    for stage in range(p.pp):
+        name = f"pp stage {stage}"
+        if stage == p.pp - 1:
+            name += " (last: the head)"
+        yield name, tuple(range(stage * per_stage, (stage + 1) * per_stage))
+
+
+def context(layout: Layout, rank: int) -> RunContext:
+    """Rank `rank`'s context in the fake world, its mesh built (a process group must exist)."""
+    from accel._mesh import with_mesh
+
+    local = layout.local_world_size
+    ctx = RunContext(
+        rank=rank, local_rank=rank % local, world_size=layout.world_size,
+        local_world_size=local, node_rank=rank // local,
+        num_nodes=layout.world_size // local, device=torch.device("cpu"),
+        **dict(layout.settings),
+    )  # fmt: skip
+    if layout.world_size == 1:
+        return replace(ctx, parallelism=layout.parallelism)
+    return with_mesh(ctx, layout.parallelism, source="estimate_memory")
+
+
+def estimate_rank(layout: Layout, rank: int, spec: StepSpec, *, round_to: int) -> Usage:
+    """Rank `rank`'s steps on fake tensors in a fake world of the layout's size."""
+    from accel.estimate._fake import fake_tensors, fake_world
+
+    if layout.parallelism.pp > 1:
+        raise NotImplementedError(
+            f"estimate_memory: pp={layout.parallelism.pp} (pipeline stages) is not estimated "
+            "yet; estimate one stage's share with pp=1 and the stage's layers."
+        )
+    with fake_world(rank, layout.world_size), fake_tensors():
+        try:
+            return run_steps(context(layout, rank), spec, round_to=round_to)
+        except _fake_errors() as err:
+            raise ValueError(_data_dependent(err)) from err
+
+
+def _fake_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses import fake_tensor
+
+    return (
+        fake_tensor.DataDependentOutputException,
+        fake_tensor.DynamicOutputShapeException,
+        fake_tensor.UnsupportedOperatorException,
+    )
+
+
+def _data_dependent(err: BaseException) -> str:
+    op = getattr(err, "func", None)
+    what = str(op) if op is not None else type(err).__name__
+    return (
+        f"estimate_memory: the step reads values from the data ({what}), and the estimate "
+        "runs on tensors that hold shapes only; make the model's shapes independent of the "
+        "values (no .item(), nonzero or boolean indexing on float tensors in forward), or "
+        "estimate with a model that does not."
+    )
+
+
+# ---- the model a command line names ------------------------------------------------------------
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def model_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
+    """A callable building the model `spec` names, and the class name a config names."""
+    if spec.endswith(".json") or Path(spec).is_dir():
+        return _hf_factory(spec)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"model={spec!r} must look like 'package.module:callable', or be a Hugging Face "
+            "config.json (or its folder)."
+        )
+    if os.getcwd() not in sys.path:  # `python -m` puts the current folder first; so does this
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except Exception as err:  # the user's module: any error while importing it is reported
+        raise ValueError(f"model={spec!r} cannot be loaded: {first_line(err)}") from err
+
+    def build() -> nn.Module:
+        try:
+            model = factory()
+        except Exception as err:  # the user's callable: reported in one line, not a traceback
+            raise ValueError(
+                f"model={spec!r} could not be built: {module_name}.{attr}() raised "
+                f"{first_line(err)}"
+            ) from err
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model={spec!r} returned a {type(model).__name__}, not an nn.Module.")
+        return model
+
+    return build, ""
+
+
+def _hf_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
+    """The model class a Hugging Face config names (its first `architectures` entry, else
+    `AutoModel`), built from the config alone."""
+    file = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    if not file.is_file():
+        raise FileNotFoundError(f"model={spec!r}: {str(file)!r} does not exist.")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            f"model={spec!r} is a Hugging Face config; building a model from it needs "
+            "transformers. Install it: pip install transformers."
+        ) from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(file))
+        names = getattr(config, "architectures", None) or []
+        cls = getattr(transformers, names[0], None) if names else None
+        make = cls or transformers.AutoModel.from_config
+        with torch.device("meta"):
+            name = type(make(config)).__name__
+    except Exception as err:  # transformers' own errors, for a config it cannot read
+        raise ValueError(f"model={spec!r} could not be built: {first_line(err)}") from err
+
+    def build() -> nn.Module:
+        return make(config)  # type: ignore[no-any-return]
+
+    return build, name
