@@ -178,7 +178,8 @@ def estimate_memory(
     check_optimizer_spec(optimizer)
     layout = _plan.layout(config)
     build, _ = _plan.model_factory(model) if isinstance(model, str) else (model, "")
-    spec = StepSpec(build=build, batch=batch, optimizer=optimizer, loss=loss, tp_plan=tp_plan)
+    spec = StepSpec(build=build, batch=batch, optimizer=optimizer, loss=loss, tp_plan=tp_plan,
+                    device_type=device)  # fmt: skip
     round_to = _CUDA_BLOCK if device == "cuda" else 1
     roles = []
     for role, ranks in _plan.roles(layout):

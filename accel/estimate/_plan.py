@@ -53,6 +53,13 @@ def layout(config: _config.Config | str | os.PathLike[str] | None) -> Layout:
     sizes = settings.get("parallelism", (Parallelism(dp_replicate=world), ""))[0]
     resolved = sizes.resolve(world)  # the error accel launch gives for sizes that do not fill
     values = {k: v for k, (v, _) in settings.items() if k not in _OWN}
+    if values.get("deepspeed") is not None:
+        raise NotImplementedError(
+            "estimate_memory: distributed_type DEEPSPEED is not estimated: DeepSpeed's engine "
+            "reads its rank from the LOCAL_RANK variable and builds its own buffers outside the "
+            "fake world; estimate the FSDP2 layout of the same sharding (ZeRO-3: --use_fsdp, "
+            "ZeRO-2: --use_fsdp --fsdp_reshard_after_forward false)."
+        )
     if values.get("precision") == "fp8":
         raise NotImplementedError(
             "estimate_memory: mixed_precision='fp8' (torchao's float8 Linear layers) is not "

@@ -2,8 +2,8 @@
 
 The same function runs in the fake world (the estimate) and in a real one (the measurement the
 estimate is checked against): it builds the model, wraps it with `wrap_model` as the run's
-context says, makes the optimizer, and runs two steps (the second with the optimizer state in
-place, as every later step has it), each phase counted under its own category.
+context says, makes the optimizer and its state, and runs a training step, each phase counted
+under its own category.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from torch import nn
 
 from accel.context import RunContext
 from accel.estimate._account import CATEGORIES, MemoryAccount, watching_resizes
-
-STEPS = 2
-"""Steps run per rank: the first allocates the optimizer state, the second runs with it."""
 
 OptimizerSpec = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -41,6 +38,10 @@ class StepSpec:
     """loss(output, batch); None: the model's own (`.loss`) or token cross entropy."""
     tp_plan: Any = None
     """wrap_model's tp_plan (None: "auto" when tensor parallel)."""
+    device_type: str = "cpu"
+    """The device type the run trains on: a named optimizer runs as torch runs it there
+    (foreach on CUDA, whose temporaries are a parameter-sized list; one tensor at a time on
+    the CPU)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,12 +70,16 @@ def check_optimizer_spec(value: Any) -> None:
     )
 
 
-def make_optimizer(spec: OptimizerSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(
+    spec: OptimizerSpec, params: list[nn.Parameter], device_type: str
+) -> torch.optim.Optimizer:
     if callable(spec):
         return spec(params)
+    foreach = device_type == "cuda"  # torch's default there; the fake tensors sit on the CPU
     if spec == "sgd":
-        return torch.optim.SGD(params, lr=1e-3)
-    return (torch.optim.AdamW if spec == "adamw" else torch.optim.Adam)(params, lr=1e-3)
+        return torch.optim.SGD(params, lr=1e-3, foreach=foreach)
+    cls = torch.optim.AdamW if spec == "adamw" else torch.optim.Adam
+    return cls(params, lr=1e-3, foreach=foreach)
 
 
 def make_batch(spec: tuple[int, ...] | Callable[[], Any], model: nn.Module, device: Any) -> Any:
@@ -136,47 +141,80 @@ def _breakdown(account: MemoryAccount, setup: int) -> Usage:
 
 
 def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
-    """Build, wrap and train `spec`'s model for `STEPS` steps under an account; its usage."""
-    from accel import optimizer_step, scaled_backward, wrap_model
+    """Build and wrap `spec`'s model, give the optimizer its state, then run one training step,
+    all under an account; the usage at the step's peak.
+
+    The optimizer's state is made by stepping it once over gradients of zeros (what the first
+    real step allocates, at a fraction of its cost), so the measured step runs as every later
+    step of a run does. A DeepSpeed engine, whose optimizer is its own, runs two real steps.
+    """
     from accel.precision import autocast
 
     account = MemoryAccount(round_to=round_to)
     with account, watching_resizes(account):
-        model = spec.build()
-        strategy, options = _strategy(ctx, spec, model)
-        tp_plan = spec.tp_plan if spec.tp_plan is not None else "auto"
-        tp = ctx.parallelism is not None and ctx.parallelism.tp > 1 and strategy != "deepspeed"
-        optimizer = None
-        if strategy == "deepspeed":
-            optimizer = make_optimizer(spec.optimizer, list(model.parameters()))
-            options = options(optimizer)
-            wrapped = wrap_model(ctx, model, strategy="deepspeed", deepspeed=options)
-        else:
-            plan = tp_plan if tp else None
-            wrapped = wrap_model(ctx, model, tp_plan=plan)  # type: ignore[arg-type]
-            optimizer = make_optimizer(spec.optimizer, list(wrapped.parameters()))
-        del model
-        _quiet_ddp(wrapped)
+        wrapped, optimizer, deepspeed = _wrapped(ctx, spec)
         for p in wrapped.parameters():
             if p.requires_grad:  # a gradient is named as soon as it is accumulated
                 p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     lambda q: account.track([q.grad], "gradients")
                 )
+        if not deepspeed:
+            with account.phase_of("optimizer"):
+                _prime(wrapped, optimizer)
         setup = account.total
         account.peak, account.peak_phase = dict(account.now), "setup"
         with account.phase_of("forward"):
             batch = make_batch(spec.batch, wrapped, ctx.device)
-        for _ in range(STEPS):
+        for _ in range(2 if deepspeed else 1):
             with account.phase_of("forward"), autocast(ctx):
                 loss = forward_loss(wrapped, batch, spec.loss)
-            with account.phase_of("backward"):
-                scaled_backward(ctx, loss)
-                del loss
-            account.track(_grads(wrapped), "gradients")
-            with account.phase_of("optimizer"):
-                optimizer_step(ctx, optimizer)
-                _zero_grad(wrapped, optimizer)
+            _backward_and_step(ctx, account, wrapped, optimizer, loss)
+            del loss
     return _breakdown(account, setup)
+
+
+def _wrapped(ctx: RunContext, spec: StepSpec) -> tuple[nn.Module, Any, bool]:
+    """(the wrapped model, its optimizer, whether it is a DeepSpeed engine)."""
+    from accel import wrap_model
+
+    model = spec.build()
+    if ctx.deepspeed is not None:
+        from accel.parallel.deepspeed import DeepSpeedOptions
+
+        optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.device_type)
+        options = DeepSpeedOptions(optimizer=optimizer, micro_batch_size=_rows(spec.batch))
+        return wrap_model(ctx, model, strategy="deepspeed", deepspeed=options), optimizer, True
+    tp = ctx.parallelism is not None and ctx.parallelism.tp > 1
+    plan = (spec.tp_plan if spec.tp_plan is not None else "auto") if tp else None
+    wrapped = wrap_model(ctx, model, tp_plan=plan)  # type: ignore[arg-type]
+    _quiet_ddp(wrapped)
+    return (
+        wrapped,
+        make_optimizer(spec.optimizer, list(wrapped.parameters()), spec.device_type),
+        False,
+    )
+
+
+def _prime(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Step the optimizer over gradients of zeros: its state exists, nothing else is left."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _backward_and_step(
+    ctx: RunContext, account: MemoryAccount, model: nn.Module, optimizer: Any, loss: Any
+) -> None:
+    from accel import optimizer_step, scaled_backward
+
+    with account.phase_of("backward"):
+        scaled_backward(ctx, loss)
+    account.track(_grads(model), "gradients")
+    with account.phase_of("optimizer"):
+        optimizer_step(ctx, optimizer)
+        _zero_grad(model, optimizer)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -188,18 +226,6 @@ def _zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     if engine_zero is not None:
         engine_zero()
-
-
-def _strategy(ctx: RunContext, spec: StepSpec, model: nn.Module) -> tuple[str, Any]:
-    """ "deepspeed" (with a maker of its options) when the context asks for DeepSpeed."""
-    if ctx.deepspeed is None:
-        return "auto", None
-    from accel.parallel.deepspeed import DeepSpeedOptions
-
-    def options(optimizer: torch.optim.Optimizer) -> DeepSpeedOptions:
-        return DeepSpeedOptions(optimizer=optimizer, micro_batch_size=_rows(spec.batch))
-
-    return "deepspeed", options
 
 
 def _rows(batch: Any) -> int | None:
