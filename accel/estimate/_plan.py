@@ -3,6 +3,7 @@ distinct roles, one role's run in the fake world, and the model a command-line s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -128,9 +129,22 @@ def estimate_rank(layout: Layout, rank: int, spec: StepSpec, *, round_to: int) -
         )
     with fake_world(rank, layout.world_size), fake_tensors():
         try:
-            return run_steps(context(layout, rank), spec, round_to=round_to)
+            guarded = replace(spec, build=functools.partial(_build_fake, spec.build))
+            return run_steps(context(layout, rank), guarded, round_to=round_to)
         except _fake_errors() as err:
             raise ValueError(_data_dependent(err)) from err
+
+
+def _build_fake(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model, built on fake tensors; a constructor that reads tensor values cannot be."""
+    try:
+        return build()
+    except (RuntimeError, *_fake_errors()) as err:
+        raise ValueError(
+            f"estimate_memory: the model could not be built on fake tensors: "
+            f"{first_line(err)}; build it from shapes only (no .item(), .tolist() or .numpy() "
+            "of float tensors, no weights read from files in the constructor: load them after)."
+        ) from err
 
 
 def _fake_errors() -> tuple[type[BaseException], ...]:
