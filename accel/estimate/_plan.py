@@ -137,9 +137,10 @@ def estimate_rank(layout: Layout, rank: int, spec: StepSpec, *, round_to: int) -
 
 def _build_fake(build: Callable[[], nn.Module]) -> nn.Module:
     """The model, built on fake tensors; a constructor that reads tensor values cannot be."""
+    caught: tuple[type[BaseException], ...] = (RuntimeError, *_fake_errors())
     try:
         return build()
-    except (RuntimeError, *_fake_errors()) as err:
+    except caught as err:
         raise ValueError(
             f"estimate_memory: the model could not be built on fake tensors: "
             f"{first_line(err)}; build it from shapes only (no .item(), .tolist() or .numpy() "
