@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from accel.estimate._plan import first_line, model_factory
+from accel._model_spec import first_line, model_factory
 
 # Bytes per element of each reported dtype (int4 packs two values a byte).
 _DTYPES: tuple[tuple[str, float], ...] = (
@@ -88,8 +88,10 @@ def _batch(spec: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.batch is None:
         return _sizes(args)
+    # On use, as each command's module imports what it runs (accel.cli._main): without --batch
+    # the command builds on meta and needs neither the launcher nor the fake world.
     from accel.cli._launch import resolve_config  # accel launch's own reading of the layout
-    from accel.estimate import estimate_memory
+    from accel.estimate import estimate_memory  # on use: see above
 
     optimizer = args.optimizer or "adamw"
     estimate = estimate_memory(

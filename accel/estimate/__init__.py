@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._model_spec import model_factory
 from accel._parallelism import Parallelism
 from accel.config import Config
+from accel.estimate import _plan
 from accel.estimate._step import OptimizerSpec, StepSpec, Usage, check_optimizer_spec
 
 __all__ = ["MemoryEstimate", "RankMemory", "estimate_memory"]
@@ -163,13 +165,12 @@ def estimate_memory(
         >>> from torch import nn
         >>> import accel
         >>> est = accel.estimate_memory(
-        ...     lambda: nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 100)), (8, 16),
+        ...     lambda: nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 100), nn.ReLU()),
+        ...     (8, 16),
         ...     config=accel.Config(num_processes=2, distributed_type="FSDP"), device="cpu")
         >>> est.world_size, est.strategy, est.ranks[0].parameters < 4 * 100 * 64 * 2
         (2, 'fsdp2', True)
     """
-    from accel.estimate import _plan
-
     if device not in ("cuda", "cpu"):
         raise ValueError(
             f"estimate_memory: device={device!r} is not 'cuda' or 'cpu'; pass the device type "
@@ -177,7 +178,7 @@ def estimate_memory(
         )
     check_optimizer_spec(optimizer)
     layout = _plan.layout(config)
-    build, _ = _plan.model_factory(model) if isinstance(model, str) else (model, "")
+    build, _ = model_factory(model) if isinstance(model, str) else (model, "")
     spec = StepSpec(build=build, batch=batch, optimizer=optimizer, loss=loss, tp_plan=tp_plan,
                     device_type=device)  # fmt: skip
     round_to = _CUDA_BLOCK if device == "cuda" else 1

@@ -130,6 +130,15 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
         self.now[category] += size
 
+    def set_aside(self, weights: Iterable[Any]) -> None:
+        """Move what setup made beyond `weights` (DDP's buckets) to communication."""
+        mine = {id(s) for t in weights if isinstance(t, torch.Tensor) for s in storages(t)}
+        for key, entry in self._live.items():
+            if entry[1] == "parameters" and key not in mine:
+                self.now["parameters"] -= entry[0]
+                self.now["communication"] += entry[0]
+                entry[1] = "communication"
+
     def _check_peak(self) -> None:
         if self.total > self.peak_total:
             self.peak = dict(self.now)

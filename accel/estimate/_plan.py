@@ -4,20 +4,20 @@ distinct roles, one role's run in the fake world, and the model a command-line s
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from accel import config as _config
+from accel._mesh import with_mesh
+from accel._model_spec import first_line
 from accel._parallelism import Parallelism
 from accel.context import RunContext
+from accel.estimate._fake import fake_tensors, fake_world
 from accel.estimate._step import StepSpec, Usage, run_steps
 
 # Where a layout's settings come from that RunContext sets itself.
@@ -104,8 +104,6 @@ def roles(layout: Layout) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def context(layout: Layout, rank: int) -> RunContext:
     """Rank `rank`'s context in the fake world, its mesh built (a process group must exist)."""
-    from accel._mesh import with_mesh
-
     local = layout.local_world_size
     ctx = RunContext(
         rank=rank, local_rank=rank % local, world_size=layout.world_size,
@@ -120,8 +118,6 @@ def context(layout: Layout, rank: int) -> RunContext:
 
 def estimate_rank(layout: Layout, rank: int, spec: StepSpec, *, round_to: int) -> Usage:
     """Rank `rank`'s steps on fake tensors in a fake world of the layout's size."""
-    from accel.estimate._fake import fake_tensors, fake_world
-
     if layout.parallelism.pp > 1:
         raise NotImplementedError(
             f"estimate_memory: pp={layout.parallelism.pp} (pipeline stages) is not estimated "
@@ -167,72 +163,3 @@ def _data_dependent(err: BaseException) -> str:
         "values (no .item(), nonzero or boolean indexing on float tensors in forward), or "
         "estimate with a model that does not."
     )
-
-
-# ---- the model a command line names ------------------------------------------------------------
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def model_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
-    """A callable building the model `spec` names, and the class name a config names."""
-    if spec.endswith(".json") or Path(spec).is_dir():
-        return _hf_factory(spec)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"model={spec!r} must look like 'package.module:callable', or be a Hugging Face "
-            "config.json (or its folder)."
-        )
-    if os.getcwd() not in sys.path:  # `python -m` puts the current folder first; so does this
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as err:  # the user's module: any error while importing it is reported
-        raise ValueError(f"model={spec!r} cannot be loaded: {first_line(err)}") from err
-
-    def build() -> nn.Module:
-        try:
-            model = factory()
-        except Exception as err:  # the user's callable: reported in one line, not a traceback
-            raise ValueError(
-                f"model={spec!r} could not be built: {module_name}.{attr}() raised "
-                f"{first_line(err)}"
-            ) from err
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model={spec!r} returned a {type(model).__name__}, not an nn.Module.")
-        return model
-
-    return build, ""
-
-
-def _hf_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
-    """The model class a Hugging Face config names (its first `architectures` entry, else
-    `AutoModel`), built from the config alone."""
-    file = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
-    if not file.is_file():
-        raise FileNotFoundError(f"model={spec!r}: {str(file)!r} does not exist.")
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"model={spec!r} is a Hugging Face config; building a model from it needs "
-            "transformers. Install it: pip install transformers."
-        ) from None
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(file))
-        names = getattr(config, "architectures", None) or []
-        cls = getattr(transformers, names[0], None) if names else None
-        make = cls or transformers.AutoModel.from_config
-        with torch.device("meta"):
-            name = type(make(config)).__name__
-    except Exception as err:  # transformers' own errors, for a config it cannot read
-        raise ValueError(f"model={spec!r} could not be built: {first_line(err)}") from err
-
-    def build() -> nn.Module:
-        return make(config)  # type: ignore[no-any-return]
-
-    return build, name

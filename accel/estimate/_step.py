@@ -19,6 +19,10 @@ from torch import nn
 
 from accel.context import RunContext
 from accel.estimate._account import CATEGORIES, MemoryAccount, watching_resizes
+from accel.estimate._fake import in_fake_world
+from accel.parallel import wrap_model
+from accel.parallel.deepspeed import DeepSpeedOptions
+from accel.precision import autocast, optimizer_step, scaled_backward
 
 OptimizerSpec = str | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -148,11 +152,10 @@ def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
     real step allocates, at a fraction of its cost), so the measured step runs as every later
     step of a run does. A DeepSpeed engine, whose optimizer is its own, runs two real steps.
     """
-    from accel.precision import autocast
-
     account = MemoryAccount(round_to=round_to)
     with account, watching_resizes(account):
         wrapped, optimizer, deepspeed = _wrapped(ctx, spec)
+        account.set_aside([*wrapped.parameters(), *wrapped.buffers()])
         for p in wrapped.parameters():
             if p.requires_grad:  # a gradient is named as soon as it is accumulated
                 p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
@@ -175,12 +178,8 @@ def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
 
 def _wrapped(ctx: RunContext, spec: StepSpec) -> tuple[nn.Module, Any, bool]:
     """(the wrapped model, its optimizer, whether it is a DeepSpeed engine)."""
-    from accel import wrap_model
-
     model = spec.build()
     if ctx.deepspeed is not None:
-        from accel.parallel.deepspeed import DeepSpeedOptions
-
         optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.device_type)
         options = DeepSpeedOptions(optimizer=optimizer, micro_batch_size=_rows(spec.batch))
         return wrap_model(ctx, model, strategy="deepspeed", deepspeed=options), optimizer, True
@@ -207,8 +206,6 @@ def _prime(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def _backward_and_step(
     ctx: RunContext, account: MemoryAccount, model: nn.Module, optimizer: Any, loss: Any
 ) -> None:
-    from accel import optimizer_step, scaled_backward
-
     with account.phase_of("backward"):
         scaled_backward(ctx, loss)
     account.track(_grads(model), "gradients")
@@ -235,8 +232,6 @@ def _rows(batch: Any) -> int | None:
 def _quiet_ddp(model: nn.Module) -> None:
     """In the fake world, DDP's reducer needs each all-reduce's result: give it the bucket."""
     from torch.nn.parallel import DistributedDataParallel
-
-    from accel.estimate._fake import in_fake_world
 
     if not isinstance(model, DistributedDataParallel) or not in_fake_world():
         return
