@@ -279,8 +279,8 @@ def _add_estimate(commands: Any, argv: Sequence[str]) -> None:
         usage="%(prog)s [layout flags] model [--batch SHAPE] [--json]",
         description="With --batch: build the model on fake tensors (no memory), wrap it as "
         "`accel launch` with the same flags or config file would (processes, mesh sizes, FSDP, "
-        "DeepSpeed, precision, activation checkpointing), run two training steps in a fake "
-        "world of that size, and print each distinct rank's parameters, gradients, optimizer "
+        "precision, activation checkpointing), run a training step in a fake world of that "
+        "size, and print each distinct rank's parameters, gradients, optimizer "
         "state, activations, communication buffers and peak. Without --batch: the model's "
         "size per dtype and Adam's weights + gradients + moments, as Accelerate estimates it.",
         formatter_class=_HelpFormatter,

@@ -3,8 +3,8 @@
 `estimate_memory(model, batch, config=...)` plays one rank of each distinct role of the layout
 (every pipeline stage; the other coordinates hold the same shapes) in a fake world of the
 layout's size (torch's fake process group: one process, no data moved), builds the model on
-fake tensors (shapes and dtypes, no memory), wraps it with the real `wrap_model` and runs two
-real training steps, counting every live tensor storage by what it holds. docs/estimate.md
+fake tensors (shapes and dtypes, no memory), wraps it with the real `wrap_model`, gives the
+optimizer its state and runs a real training step, counting every live tensor storage by what it holds. docs/estimate.md
 says how it is made and how close it comes.
 """
 
@@ -126,9 +126,9 @@ def estimate_memory(
 
     Each distinct role of the layout (each pipeline stage; every other rank holds the same
     shapes as its stage's rank 0) is played in a fake world of the layout's size: the model is
-    built on fake tensors, wrapped by `wrap_model` as `accel launch` would have it wrapped, and
-    trained for two steps (forward, backward, optimizer step; the second with the optimizer
-    state allocated), every live tensor counted by what it holds.
+    built on fake tensors, wrapped by `wrap_model` as `accel launch` would have it wrapped, its
+    optimizer given its state (one step over zero gradients) and trained for one step
+    (forward, backward, optimizer step), every live tensor counted by what it holds.
 
     Args:
         model: a callable returning the module (called inside the fake world), or what the
