@@ -4,8 +4,8 @@
 (every pipeline stage; the other coordinates hold the same shapes) in a fake world of the
 layout's size (torch's fake process group: one process, no data moved), builds the model on
 fake tensors (shapes and dtypes, no memory), wraps it with the real `wrap_model`, gives the
-optimizer its state and runs a real training step, counting every live tensor storage by what it holds. docs/estimate.md
-says how it is made and how close it comes.
+optimizer its state and runs a real training step, counting every live tensor storage by what
+it holds. docs/estimate.md says how it is made and how close it comes.
 """
 
 from __future__ import annotations
