@@ -64,6 +64,11 @@ from accel.distributed import (
     init_distributed,
     shutdown,
 )
+from accel.estimate import (
+    MemoryEstimate,
+    RankMemory,
+    estimate_memory,
+)
 from accel.local_sgd import (
     average_parameters,
     local_sgd,
@@ -155,11 +160,13 @@ __all__ = [
     "JSONLTracker",
     "LoadResult",
     "MLflowTracker",
+    "MemoryEstimate",
     "Parallelism",
     "PerRank",
     "PipelineStages",
     "Preemption",
     "RankLogger",
+    "RankMemory",
     "RunContext",
     "ShardBatch",
     "ShardPlan",
@@ -188,6 +195,7 @@ __all__ = [
     "describe_device_map",
     "disk_offload",
     "dispatch_checkpoint",
+    "estimate_memory",
     "find_executable_batch_size",
     "gather",
     "gather_for_metrics",

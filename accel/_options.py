@@ -6,7 +6,9 @@ They sit below `RunContext` and import nothing of accel's but `_typing`.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,3 +136,13 @@ class WrapDefaults:
                 f"WrapDefaults: deepspeed={self.deepspeed!r} must be Accelerate's "
                 "deepspeed_config section as sorted (key, value) pairs, or None."
             )
+
+
+_WRAP_FIELDS = frozenset(f.name for f in dataclasses.fields(WrapDefaults))
+
+
+def context_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """RunContext's keyword arguments for the settings `values` (field -> value): the ones that
+    are `WrapDefaults` fields grouped into `wrap=`, every other one as it is."""
+    found = {n: v for n, v in values.items() if n not in _WRAP_FIELDS}
+    return {**found, "wrap": WrapDefaults(**{n: v for n, v in values.items() if n in _WRAP_FIELDS})}

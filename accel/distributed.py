@@ -8,7 +8,6 @@ backend, creates the process group and returns a `RunContext` recording every ch
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import math
 import os
 import threading
@@ -26,9 +25,10 @@ from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
 from accel._launcher import LaunchEnv, parse_launch_env
 from accel._mesh import with_mesh
+from accel._options import context_values
 from accel._rerun import JOINED_GROUP, hold_signals, release_signals
 from accel._typing import Backend, Precision
-from accel.context import Parallelism, RunContext, WrapDefaults
+from accel.context import Parallelism, RunContext
 from accel.seeding import check_seed
 
 __all__ = ["init_distributed", "shutdown"]
@@ -36,8 +36,6 @@ __all__ = ["init_distributed", "shutdown"]
 _DEFAULT_TIMEOUT = timedelta(minutes=30)
 # Settings init_distributed applies itself rather than passing them to RunContext as they are.
 _OWN = frozenset({"device", "parallelism"})
-# Settings that are fields of RunContext's `wrap`, not of RunContext.
-_WRAP = frozenset(f.name for f in dataclasses.fields(WrapDefaults))
 
 
 _JOINED_GROUP = JOINED_GROUP
@@ -187,9 +185,8 @@ def init_distributed(
         backend=backend if grouped else None,
         timeout=wait,
         sources=sources,
-        wrap=WrapDefaults(**{n: v for n, (v, _) in settings.items() if n in _WRAP}),
-        # Every other setting the table gave a value (precision, seed, ...); the mesh is next.
-        **{n: v for n, (v, _) in settings.items() if n not in _OWN | _WRAP},
+        # Every setting the table gave a value (precision, seed, wrap's...); the mesh is next.
+        **context_values({n: v for n, (v, _) in settings.items() if n not in _OWN}),
     )
     if "parallelism" not in settings:
         return ctx

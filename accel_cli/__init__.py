@@ -228,7 +228,21 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
     parser.add_argument("-m", "--module", action="store_true", help="run script as a module")
     if argv and "launch" not in argv:
         return  # another command (or `accel --help`): launch's flags would only cost time
+    _add_setting_flags(parser, argv)
+    add_refused(parser)
+    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    # Every flag of accel launch, in each spelling, for the launcher's warning about one of its
+    # flags typed after the script (accel.cli takes it from here: it imports nothing of ours).
+    parser.set_defaults(launcher_flags=frozenset(f for f in _options(parser) if f[:2] == "--"))
+
+
+def _add_setting_flags(parser: Any, argv: Sequence[str], skip: tuple[str, ...] = ()) -> None:
+    """Add `accel launch`'s flags for the settings table (the layout: processes, mesh sizes,
+    FSDP, DeepSpeed, precision) to `parser`, but the command's own flags named in `skip`;
+    `accel estimate-memory` takes the same."""
     for title, description, shown, flags in _launch_groups(argv):
+        flags = [f for f in flags if f not in skip]
         # As `accelerate launch --help`: the FSDP (DeepSpeed) flags are listed once --use_fsdp
         # (--use_deepspeed) is given.
         group = parser.add_argument_group(title, description) if shown else parser
@@ -247,12 +261,6 @@ def _add_launch(commands: Any, argv: Sequence[str]) -> None:
                 if not shown:
                     options["help"] = argparse.SUPPRESS
                 _add_flag(group, name, default=None, **options)
-    add_refused(parser)
-    parser.add_argument("script", help="the training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
-    # Every flag of accel launch, in each spelling, for the launcher's warning about one of its
-    # flags typed after the script (accel.cli takes it from here: it imports nothing of ours).
-    parser.set_defaults(launcher_flags=frozenset(f for f in _options(parser) if f[:2] == "--"))
 
 
 def _add_config(commands: Any) -> None:
@@ -271,7 +279,52 @@ def _add_config(commands: Any) -> None:
     )
 
 
-def _add_others(commands: Any) -> None:
+def _add_estimate(commands: Any, argv: Sequence[str]) -> None:
+    estimate = commands.add_parser(
+        "estimate-memory",
+        help="estimate each rank's memory for a layout, on this CPU",
+        usage="%(prog)s [layout flags] model [--batch SHAPE] [--json]",
+        description="With --batch: build the model on fake tensors (no memory), wrap it as "
+        "`accel launch` with the same flags or config file would (processes, mesh sizes, FSDP, "
+        "precision, activation checkpointing), run a training step in a fake world of that "
+        "size, and print each distinct rank's parameters, gradients, optimizer "
+        "state, activations, communication buffers and peak. Without --batch: the model's "
+        "size per dtype and Adam's weights + gradients + moments, as Accelerate estimates it.",
+        formatter_class=_HelpFormatter,
+    )
+    estimate.add_argument(
+        "model",
+        help="'package.module:callable' returning an nn.Module (imported as `python -m` would, "
+        "the current folder first), or a Hugging Face config.json or its folder (needs "
+        "transformers; nothing is downloaded)",
+    )
+    own = (
+        ("batch", "one rank's batch: token ids of this shape (4x2048), or "
+         "'package.module:callable' returning it"),
+        ("optimizer", "adamw (default), adam, sgd (no state), or 'package.module:callable' "
+         "making it from the parameters"),
+        ("loss", "'package.module:callable' taking (output, batch); default: the model's own "
+         ".loss, else token cross entropy"),
+        ("tp_plan", "'package.module:name' of wrap_model's tp_plan (default: auto, a Hugging "
+         "Face model's own)"),
+    )  # fmt: skip
+    for name, text in own:
+        _add_flag(estimate, name, default=None, metavar="VALUE", help=text)
+    estimate.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda",
+        help="the device type the run trains on (cuda rounds to the allocator's 512 B blocks)",
+    )  # fmt: skip
+    estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    _add_flag(
+        estimate, "config_file", default=None, metavar="FILE",
+        help="YAML config (accel's or Accelerate's), as accel launch reads it",
+    )  # fmt: skip
+    if argv and "estimate-memory" not in argv:
+        return
+    _add_setting_flags(estimate, argv, skip=("tee", "log_dir", "same_network"))
+
+
+def _add_others(commands: Any, argv: Sequence[str]) -> None:
     commands.add_parser(
         "env",
         help="print versions, devices and config for bug reports",
@@ -287,19 +340,7 @@ def _add_others(commands: Any) -> None:
     )
     _add_flag(selftest, "config_file", default=None, help="YAML config (default: the one in force)")
     _add_flag(selftest, "num_processes", type=int, default=None, help="override the process count")
-    estimate = commands.add_parser(
-        "estimate-memory",
-        help="estimate a model's memory from its constructor, without allocating it",
-        description="Build the model on the meta device (no memory used) and report its size "
-        "per dtype, its largest layer, and Adam training memory (weights, gradients and two "
-        "moments in that dtype, as Accelerate estimates it; activations not included).",
-    )
-    estimate.add_argument(
-        "model",
-        help="'package.module:callable' returning an nn.Module (imported as `python -m` would, "
-        "the current folder first), or a Hugging Face config.json or its folder (needs "
-        "transformers; nothing is downloaded)",
-    )
+    _add_estimate(commands, argv)
     merge = commands.add_parser(
         "merge-weights",
         help="merge a sharded (DCP) checkpoint into Hugging Face safetensors files",
@@ -347,7 +388,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config(commands)
     _add_launch(commands, argv)
-    _add_others(commands)
+    _add_others(commands, argv)
     return parser
 
 

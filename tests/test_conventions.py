@@ -205,6 +205,7 @@ SHARED_PRIVATE = frozenset(
         "_groups",
         "_launcher",
         "_mesh",
+        "_model_spec",  # the model a command line names: read by the CLI and estimate_memory
         # FSDPOptions and the compile mode: RunContext holds them, parallel/ applies them
         "_options",
         "_parallelism",

@@ -38,7 +38,7 @@ def _checkout(parent: Path, *, everything: bool = False) -> Path:
     with `everything`, also the folders beside the package and the Makefile."""
     checkout = parent / "accel"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    folders = ("accel", "accel_cli")  # the library, and the command's torch-free parser
+    folders = ("accel", "accel_cli", "accel_settings")  # the library, the command, their table
     files = ("pyproject.toml", "README.md", "LICENSE")
     if everything:
         folders += ("tests", "tools", "examples", "benchmarks")

@@ -5,7 +5,9 @@ The parts: the GPU suite (`pytest tests/gpu`); every example under `accel launch
 the same launch; `init_distributed(device=...)` with each spelling, a process each; a
 transformers GPT-2 trained by hand, through accel and through Accelerate (losses and weights
 bit-identical); that GPT-2 saved with save_pretrained and loaded by `dispatch_checkpoint` with
-most of it offloaded; then, alone on the GPU, benchmarks/gpu.py's sections: the 1.2B step, the
+most of it offloaded; `estimate_memory`'s peak for the 1.2B step against
+torch.cuda.max_memory_allocated of that step (the allocator's and NCCL's overhead measured
+beside it); then, alone on the GPU, benchmarks/gpu.py's sections: the 1.2B step, the
 GPT-2 loads and fp8 at dims 2048 and 4096. The correctness parts share the GPU (up to 4 at a
 time, a core in four each); the timed ones run one after another.
 
@@ -118,6 +120,9 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
     parts.append(Part("GPT-2 offload: dispatch_checkpoint", [py, "tools/gpu_parts.py", "offload",
                       "--json", str(work / "offload.json")], lim(60, 300), True, "json",
                       result=work / "offload.json"))  # fmt: skip
+    parts.append(Part("estimate_memory vs the allocator: 1.2B step", [py, "tools/gpu_parts.py",
+                      "estimate", "--json", str(work / "estimate.json")], lim(90, 300), True,
+                      "json", result=work / "estimate.json"))  # fmt: skip
     for name in sorted(p.name for p in (ROOT / "examples").glob("*.py")):
         args, expect = EXAMPLES.get(name, ([], ""))
         cwd = work / name.removesuffix(".py")

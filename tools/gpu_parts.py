@@ -7,6 +7,7 @@ does not hold. On a machine without CUDA (the dry run) each runs on the CPU at t
     python tools/gpu_parts.py init --spelling str:cuda --json init.json
     python tools/gpu_parts.py gpt2 --json gpt2.json       # by hand / accel / Accelerate
     python tools/gpu_parts.py offload --json offload.json  # dispatch_checkpoint, item 5
+    python tools/gpu_parts.py estimate --json estimate.json  # estimate_memory vs the allocator
 """
 
 from __future__ import annotations
@@ -255,9 +256,96 @@ def check_offload() -> dict[str, Any]:
     return figures
 
 
+# ---- estimate_memory against the CUDA allocator, for benchmarks/gpu.py's 1.2B step -----------
+
+
+def check_estimate() -> dict[str, Any]:
+    """accel.estimate_memory (on the CPU, fake tensors) of the 1.2B step against the same step
+    run by hand: torch.cuda.max_memory_allocated must be within 10% of the estimate's peak.
+    The allocator's overhead (reserved beyond allocated at the peak) and NCCL's (device memory
+    a one-rank NCCL group takes outside the allocator) are measured and reported beside it. On
+    the CPU (the dry run) the tiny sizes, and the step measured by accel's own account."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import accel
+    from benchmarks.gpu import FULL, TINY
+    from tests.gpu import plumbing
+
+    gpu = torch.cuda.is_available()
+    sizes = FULL if gpu else TINY
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    start = time.perf_counter()
+    estimate = accel.estimate_memory(
+        lambda: plumbing.make_llama(sizes), (sizes.batch, sizes.seq),
+        config=accel.Config(mixed_precision="bf16"), device=device.type,
+    )  # fmt: skip
+    estimate_s = time.perf_counter() - start
+    with torch.device(device):
+        model = plumbing.make_llama(sizes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # foreach on CUDA, as estimated
+    for p in model.parameters():  # the optimizer's state, as the estimate makes it
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tokens = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq), device=device)
+    figures: dict[str, Any] = {"model": f"Llama {sizes}", "estimate_seconds": round(estimate_s, 1),
+                               "estimate": estimate.as_dict()}  # fmt: skip
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, -2), tokens.flatten())
+    del logits
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if not gpu:  # the dry run: the code path, measured by the account on the CPU
+        from accel.estimate._step import StepSpec, run_steps
+
+        spec = StepSpec(build=lambda: plumbing.make_llama(sizes), batch=(sizes.batch, sizes.seq))
+        measured = run_steps(accel.RunContext.single(device="cpu", precision="bf16"), spec).peak
+        figures["measured_peak_account_cpu"] = measured
+    else:
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+        figures |= _cuda_overheads(measured)
+    figures["measured_peak"] = measured
+    error = (estimate.peak - measured) / measured
+    figures["error"] = round(error, 4)
+    if abs(error) > 0.10:
+        raise CheckFailed(f"estimate {estimate.peak} B vs measured {measured} B: {error:+.1%}")
+    return figures
+
+
+def _cuda_overheads(allocated: int) -> dict[str, Any]:
+    """The caching allocator's and NCCL's memory beyond what the tensors hold, measured."""
+    import torch
+    import torch.distributed as dist
+
+    reserved = torch.cuda.max_memory_reserved()
+    free_before, total = torch.cuda.mem_get_info()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))  # fmt: skip
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    dist.destroy_process_group()
+    nccl = free_before - free_after - x.untyped_storage().nbytes()
+    return {"max_memory_allocated": allocated, "max_memory_reserved": reserved,
+            "allocator_overhead": reserved - allocated,
+            "allocator_overhead_fraction": round((reserved - allocated) / allocated, 4),
+            "nccl_one_rank_bytes": nccl, "device_total": total}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("init", "gpt2", "offload"))
+    parser.add_argument("part", choices=("init", "gpt2", "offload", "estimate"))
     parser.add_argument("--json", type=Path, help="where the figures go")
     parser.add_argument("--spelling", default="str:cpu", help="init: kind:value, or bad-index")
     parser.add_argument("--steps", type=int, default=8, help="gpt2: optimizer steps (8)")
@@ -267,6 +355,8 @@ def main() -> int:
             figures: dict[str, Any] = check_init(args.spelling)
         elif args.part == "gpt2":
             figures = check_gpt2(args.steps)
+        elif args.part == "estimate":
+            figures = check_estimate()
         else:
             figures = check_offload()
     except CheckFailed as err:

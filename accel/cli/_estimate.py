@@ -1,76 +1,26 @@
-"""`accel estimate-memory module:callable`: model size per dtype, built on the meta device."""
+"""`accel estimate-memory MODEL`: each rank's memory for a layout (with --batch), else the
+model's size per dtype, built on the meta device.
+
+The layout is read by `accel launch`'s own code (`resolve_config`: its flags, its config file,
+the default config in force), so the estimate is of exactly the run `accel launch` would start.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import sys
-from pathlib import Path
+import json
+import re
+from typing import Any
 
 import torch
+
+from accel._model_spec import first_line, model_factory
 
 # Bytes per element of each reported dtype (int4 packs two values a byte).
 _DTYPES: tuple[tuple[str, float], ...] = (
     ("float32", 4), ("float16/bfloat16", 2), ("int8", 1), ("int4", 0.5)
 )  # fmt: skip
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def _load(spec: str) -> tuple[torch.nn.Module, str]:
-    """The model `spec` names, built on the meta device, and what built it."""
-    if spec.endswith(".json") or Path(spec).is_dir():
-        return _from_hf_config(spec)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"model={spec!r} must look like 'package.module:callable', or be a Hugging Face "
-            "config.json (or its folder)."
-        )
-    if os.getcwd() not in sys.path:  # `python -m` puts the current folder first; so does this
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as err:  # the user's module: any error while importing it is reported
-        raise ValueError(f"model={spec!r} cannot be loaded: {_first_line(err)}") from err
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception as err:  # the user's callable: reported in one line, not a traceback
-        raise ValueError(
-            f"model={spec!r} could not be built: {module_name}.{attr}() raised {_first_line(err)}"
-        ) from err
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model={spec!r} returned a {type(model).__name__}, not an nn.Module.")
-    return model, ""
-
-
-def _from_hf_config(spec: str) -> tuple[torch.nn.Module, str]:
-    """The model class a Hugging Face config names (its first `architectures` entry, else
-    `AutoModel`), built from the config alone on the meta device."""
-    file = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
-    if not file.is_file():
-        raise FileNotFoundError(f"model={spec!r}: {str(file)!r} does not exist.")
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"model={spec!r} is a Hugging Face config; building a model from it needs "
-            "transformers. Install it: pip install transformers."
-        ) from None
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(file))
-        names = getattr(config, "architectures", None) or []
-        build = getattr(transformers, names[0], None) if names else None
-        with torch.device("meta"):
-            model = (build or transformers.AutoModel.from_config)(config)
-    except Exception as err:  # transformers' own errors, for a config it cannot read
-        raise ValueError(f"model={spec!r} could not be built: {_first_line(err)}") from err
-    return model, type(model).__name__
 
 
 def count_elements(model: torch.nn.Module) -> tuple[int, int, str]:
@@ -95,8 +45,10 @@ def _size(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def run(args: argparse.Namespace) -> int:
-    model, built = _load(args.model)
+def _sizes(args: argparse.Namespace) -> int:
+    build, built = model_factory(args.model)
+    with torch.device("meta"):
+        model = build()
     total, largest, name = count_elements(model)
     what = f"{args.model} ({built})" if built else args.model
     print(f"Memory for {what}: {total:,} elements; largest layer {name!r} ({largest:,})\n")
@@ -105,4 +57,62 @@ def run(args: argparse.Namespace) -> int:
     for dtype, per in _DTYPES:
         sizes = (_size(largest * per), _size(total * per), _size(4 * total * per))
         print(f"| {dtype} | {' | '.join(sizes)} |")
+    print("\nActivations and the layout are not counted; pass --batch (and accel launch's "
+          "flags) for each rank's memory in training.")  # fmt: skip
+    return 0
+
+
+def _named(flag: str, spec: str) -> Any:
+    """The object 'package.module:name' names (imported as `python -m` would)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--{flag}={spec!r} must look like 'package.module:name'.")
+    model_factory(f"{module_name}:{attr}")  # puts the current folder on the path, as for model
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except Exception as err:  # the user's module: reported in one line
+        raise ValueError(f"--{flag}={spec!r} cannot be loaded: {first_line(err)}") from err
+
+
+def _batch(spec: str) -> Any:
+    if re.fullmatch(r"\d+(x\d+)*", spec):
+        return tuple(int(n) for n in spec.split("x"))
+    if ":" in spec:
+        return _named("batch", spec)
+    raise ValueError(
+        f"--batch={spec!r} is neither a shape of token ids (e.g. 4x2048) nor "
+        "'package.module:callable' returning the batch."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch is None:
+        return _sizes(args)
+    # On use, as each command's module imports what it runs (accel.cli._main): without --batch
+    # the command builds on meta and needs neither the launcher nor the fake world.
+    from accel.cli._launch import resolve_config  # accel launch's own reading of the layout
+    from accel.estimate import estimate_memory  # on use: see above
+
+    optimizer = args.optimizer or "adamw"
+    estimate = estimate_memory(
+        args.model,
+        _batch(args.batch),
+        config=resolve_config(args),
+        optimizer=_named("optimizer", optimizer) if ":" in optimizer else optimizer,
+        loss=_named("loss", args.loss) if args.loss else None,
+        tp_plan=_named("tp_plan", args.tp_plan) if args.tp_plan else None,
+        device=args.device,
+    )
+    if args.json:
+        print(json.dumps(estimate.as_dict(), indent=2))
+        return 0
+    p = estimate.parallelism
+    mesh = " x ".join(f"{n}={getattr(p, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp",
+                                                        "tp"))  # fmt: skip
+    print(
+        f"Memory per rank for {args.model}, {estimate.world_size} processes ({mesh}), "
+        f"{estimate.strategy}, {estimate.precision}, batch {args.batch} a rank, "
+        f"{optimizer}, counted for {estimate.device}:\n"
+    )
+    print(estimate.table())
     return 0

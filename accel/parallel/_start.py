@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from accel._groups import comm_device
 from accel.context import RunContext
@@ -32,6 +33,9 @@ def place(model: nn.Module, device: torch.device) -> None:
     A model built under `init_empty_weights` is filled later (load_checkpoint_in_model fills a
     sharded meta model rank by rank), and `Module.to` cannot copy out of a meta tensor.
     """
+    tensors = (*model.parameters(), *model.buffers())
+    if all(t.device == device for t in tensors):
+        return  # nothing to move (and a model of fake tensors cannot be swapped in place)
     if not has_meta(model):
         model.to(device)
         return
@@ -62,7 +66,12 @@ def _fingerprint(model: nn.Module, device: torch.device) -> torch.Tensor:
 
 
 def weights_differ(ctx: RunContext, model: nn.Module, group: Any) -> bool:
-    """Whether any two ranks of `group` hold different parameters or buffers (one all-reduce)."""
+    """Whether any two ranks of `group` hold different parameters or buffers (one all-reduce).
+
+    A model of fake tensors (`estimate_memory`'s) holds no values: nothing to compare.
+    """
+    if any(is_fake(t) for t in model.parameters()):
+        return False
     mine = _fingerprint(model, comm_device(ctx))
     both = torch.cat([mine, -mine])  # max of x and of -x: every rank learns the max and the min
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

@@ -68,3 +68,43 @@ def test_a_hugging_face_config_is_built_empty(tmp_path: Path) -> None:
     out = estimate(tmp_path, str(bad))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr and "no-such-model" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_layout_from_launch_flags_prints_each_role_and_json(tmp_path: Path) -> None:
+    (tmp_path / "mymodels.py").write_text(MODELS + LLAMA)
+    command = Path(sys.executable).parent / "accel"
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(command), "estimate-memory", "mymodels:llama", "--batch", "2x16", *flags],
+            env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    out = run("--num_processes", "2", "--use_fsdp", "--mixed_precision", "bf16", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["world_size"] == 2 and data["strategy"] == "fsdp2" and data["precision"] == "bf16"
+    assert data["ranks"][0]["ranks"] == [0, 1] and data["peak"] == data["ranks"][0]["peak"]
+    # the same layout written as Accelerate's YAML, read by accel launch's own code
+    (tmp_path / "fsdp.yaml").write_text(
+        "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n"
+        "fsdp_config:\n  fsdp_version: 2\n"
+    )
+    yaml = run("--config_file", "fsdp.yaml", "--json")
+    assert yaml.returncode == 0, yaml.stderr
+    assert json.loads(yaml.stdout) == data
+    table = run("--num_processes", "2", "--use_fsdp")
+    assert "| every rank | 0, 1 |" in table.stdout and "fsdp2" in table.stdout
+    bad = run("--num_processes", "4", "--tp_size", "3")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "does not multiply to world_size=4" in bad.stderr
+
+
+LLAMA = """
+import sys
+from tests.models import Llama
+
+def llama():
+    return Llama(vocab=128, dim=32, heads=4, layers=2)
+"""

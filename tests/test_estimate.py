@@ -1,0 +1,147 @@
+"""estimate_memory in one process: the fake world's plumbing, the layout read as accel launch
+reads it, and bad input refused in one line naming what to change.
+
+Its numbers are checked against measurement in tests/dist/test_estimate_dist.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import accel
+from accel.config import Config
+from accel.estimate._account import MemoryAccount
+from accel.estimate._fake import fake_tensors, fake_world
+from tests.models import TP_PLAN, Llama
+
+
+def small() -> nn.Module:
+    return Llama(vocab=128, dim=32, heads=4, layers=2)
+
+
+def test_the_account_counts_live_storages_by_phase_and_keeps_the_peak() -> None:
+    account = MemoryAccount()
+    with account:
+        w = torch.zeros(256)  # setup: a parameter, 1 KiB
+        with account.phase_of("forward"):
+            a = torch.ones(512)  # 2 KiB of activations
+            b = a * 2  # 2 KiB more: the peak
+            del a, b
+        with account.phase_of("optimizer"):
+            s = torch.zeros_like(w)
+    assert account.now == {"parameters": 1024, "gradients": 0, "optimizer_state": 1024,
+                           "activations": 0, "communication": 0}  # fmt: skip
+    assert account.peak_total == 1024 + 4096 and account.peak["activations"] == 4096
+    del s
+
+
+def test_a_fake_world_is_any_rank_of_any_size_and_leaves_nothing_behind() -> None:
+    with fake_world(1234, 8192):
+        assert (dist.get_rank(), dist.get_world_size()) == (1234, 8192)
+        with fake_tensors():
+            big = torch.empty(1 << 40)  # a TiB, on fake tensors: no memory
+            ids = torch.arange(4)  # integers stay real: code may read them
+        assert big.shape == (1 << 40,) and ids.tolist() == [0, 1, 2, 3]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_what_one_process_holds() -> None:
+    one = accel.estimate_memory(small, (2, 16), device="cpu")
+    four = accel.estimate_memory(
+        small, (2, 16), config=Config(num_processes=4, distributed_type="FSDP"), device="cpu"
+    )
+    assert one.strategy == "none" and four.strategy == "fsdp2"
+    assert four.ranks[0].ranks == (0, 1, 2, 3)
+    params = sum(p.numel() * 4 for p in small().parameters())
+    assert one.ranks[0].parameters == params
+    assert four.ranks[0].parameters == pytest.approx(params / 4, rel=0.02)  # padded shards
+    assert four.ranks[0].optimizer_state == pytest.approx(2 * params / 4, rel=0.03)
+    assert four.peak < one.peak
+
+
+@pytest.mark.slow
+def test_cuda_rounds_each_tensor_to_the_allocators_blocks_and_json_round_trips() -> None:
+    cpu = accel.estimate_memory(small, (2, 16), device="cpu")
+    cuda = accel.estimate_memory(small, (2, 16), device="cuda")
+    assert cuda.peak > cpu.peak and cuda.ranks[0].parameters % 512 == 0
+    data = json.loads(json.dumps(cuda.as_dict()))
+    assert data["peak"] == cuda.peak
+    assert data["ranks"][0]["peak_phase"] in ("forward", "backward", "optimizer")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cuda.ranks = ()  # type: ignore[misc]
+    assert "| every rank | 0 |" in cuda.table()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_the_weights() -> None:
+    tp = accel.estimate_memory(
+        small, (2, 16), config=Config(num_processes=2, parallelism_config=(
+            ("parallelism_config_tp_size", 2),)), tp_plan=TP_PLAN, device="cpu",
+    )  # fmt: skip
+    assert tp.strategy == "tp"
+    assert (
+        tp.ranks[0].parameters
+        < accel.estimate_memory(small, (2, 16), device="cpu").ranks[0].parameters
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (Config(num_processes=6, parallelism_config=(("parallelism_config_tp_size", 4),)),
+         r"does not multiply to world_size=6"),
+        (Config(num_processes=3, num_machines=2), r"num_processes=3 is not divisible by "
+         r"num_machines=2"),
+        (Config(num_processes=2, mixed_precision="fp8"), r"fp8.*--mixed_precision bf16"),
+        (Config(num_processes=2, distributed_type="DEEPSPEED"), r"DEEPSPEED is not estimated"),
+    ],
+)  # fmt: skip
+def test_a_layout_that_cannot_work_is_one_line(config: Config, match: str) -> None:
+    with pytest.raises((ValueError, NotImplementedError), match=match) as err:
+        accel.estimate_memory(small, (2, 16), config=config, device="cpu")
+    assert "\n" not in str(err.value)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y[y > 0]  # how many survive depends on the values
+
+
+class ReadsItsWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = float(self.proj.weight.abs().max().item())  # a value: fake tensors have none
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_naming_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"could not be built on fake tensors: .*shapes only"):
+        accel.estimate_memory(ReadsItsWeights, (4, 8), device="cpu")
+
+    def batch() -> torch.Tensor:
+        return torch.randn(4, 8)
+
+    with pytest.raises(ValueError, match=r"reads values from the data \(aten\.") as err:
+        accel.estimate_memory(DataDependent, batch, device="cpu")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"no nn.Embedding to draw them from; pass a callable"):
+        accel.estimate_memory(DataDependent, (4, 8), device="cpu")
+    with pytest.raises(ValueError, match=r"optimizer='lion' is not one of"):
+        accel.estimate_memory(small, (2, 16), optimizer="lion", device="cpu")
+    with pytest.raises(ValueError, match=r"device='tpu' is not 'cuda' or 'cpu'"):
+        accel.estimate_memory(small, (2, 16), device="tpu")
+    with pytest.raises(ValueError, match=r"model='nomodule:x' cannot be loaded"):
+        accel.estimate_memory("nomodule:x", (2, 16), device="cpu")
