@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
-from accel._mesh import check_cp
+from accel._mesh import check_cp, shard_mesh_name
 from accel._options import CompileMode, FSDPOptions
 from accel._parallelism import Parallelism
 from accel.context import RunContext
@@ -153,7 +153,7 @@ def _choose(
             f"wrap_model: strategy={strategy!r} is not one of {get_args(WrapStrategy)}; "
             "use 'auto' to follow ctx.parallelism."
         )
-    sharded = p.dp_shard > 1 or p.cp > 1
+    sharded = shard_mesh_name(p) is not None  # dp_shard, ep, cp or sp > 1
     data: Data
     if strategy == "auto":
         data = "fsdp2" if sharded else ("ddp" if p.dp_replicate > 1 else "none")
@@ -283,9 +283,11 @@ def _ddp_group(ctx: RunContext) -> Any:
 
 
 def _fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
-    if ctx.parallelism is None or (ctx.mesh is None and p.dp_shard * p.cp == ctx.world_size):
+    across = p.dp_shard * p.ep * p.cp * p.sp
+    if ctx.parallelism is None or (ctx.mesh is None and across == ctx.world_size):
         return _fsdp.world_mesh(ctx)  # sharding over the whole group needs no mesh of ours
-    shard = "dp_shard_cp" if p.cp > 1 and p.dp_shard > 1 else ("cp" if p.cp > 1 else "dp_shard")
+    shard = shard_mesh_name(p)
+    assert shard is not None  # data == "fsdp2" shards over something
     if p.dp_replicate > 1:
         return mesh_dim(ctx, "dp_replicate", shard)  # HSDP: replicate outer, shard inner
     return mesh_dim(ctx, shard)

@@ -26,6 +26,7 @@ def _build(config: Any) -> dict[str, Any]:
     strategy = values.pop("parallelism_config_cp_comm_strategy", "allgather")
     allow("parallelism_config_cp_comm_strategy", strategy, ("allgather",),
           "torch's context_parallel rotates by all-gather here")  # fmt: skip
+    _check_sp(values)
     parts = {
         str(s.part): parse(s.kind, s.key, values[s.key])
         for s in SECTION.settings
@@ -36,6 +37,32 @@ def _build(config: Any) -> dict[str, Any]:
     if config.distributed_type == "FSDP":
         return {"parallelism": Parallelism(dp_shard=-1)}  # Accelerate's FSDP shards over all
     return {}
+
+
+def _check_sp(values: dict[str, Any]) -> None:
+    """Accelerate's sequence-parallel keys: honoured where they mean accel's Ulysses, refused
+    where they ask for something else; they leave `values` (they build no Parallelism part)."""
+    from accel._settings.values import allow, parse  # on use
+
+    allow("parallelism_config_sp_backend", values.pop("parallelism_config_sp_backend",
+          "deepspeed"), ("deepspeed",), "accel runs Ulysses itself, the algorithm of "
+          "DeepSpeed's sequence parallelism (Accelerate's only sp_backend)")  # fmt: skip
+    allow("parallelism_config_sp_attn_implementation",
+          values.pop("parallelism_config_sp_attn_implementation", "sdpa"), ("sdpa",),
+          "accel's Ulysses wraps torch's scaled_dot_product_attention, which transformers runs "
+          "for attn_implementation='sdpa'")  # fmt: skip
+    values.pop("parallelism_config_sp_seq_length_is_variable", None)  # every batch is checked
+    length = values.pop("parallelism_config_sp_seq_length", None)
+    size = parse("mesh_size", "parallelism_config_sp_size",
+                 values.get("parallelism_config_sp_size", 1))  # fmt: skip
+    if length not in (None, "None") and size > 1:
+        length = parse("count", "parallelism_config_sp_seq_length", length)
+        if length % size:
+            raise ValueError(
+                f"config: parallelism_config_sp_seq_length={length} is not divisible by "
+                f"parallelism_config_sp_size={size}; each sp rank holds length / sp tokens. "
+                "Use a length that is a multiple of the sp size."
+            )
 
 
 def _compose(field: str, parts: dict[str, Any]) -> Any:
@@ -59,6 +86,20 @@ SECTION = Section(
         _size("dp_shard", "ranks FSDP2 shards over (-1 fills the world)"),
         _size("cp", "context-parallel size (CUDA only)"),
         _size("tp", "tensor-parallel size", "tp_size"),
+        _size("sp", "Ulysses sequence-parallel size (all-to-all around attention)"),
+        _size("ep", "expert-parallel size (accel's key: experts split over ep ranks)"),
+        Setting(key="parallelism_config_sp_backend", kind="any",
+                accelerate_env="PARALLELISM_CONFIG_SP_BACKEND",
+                help="deepspeed: Ulysses, which accel runs itself"),
+        Setting(key="parallelism_config_sp_seq_length", kind="any",
+                accelerate_env="PARALLELISM_CONFIG_SP_SEQ_LENGTH",
+                help="sequence length (checked: divisible by the sp size)"),
+        Setting(key="parallelism_config_sp_seq_length_is_variable", kind="any",
+                accelerate_env="PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE",
+                help="accel checks every batch's length, variable or not"),
+        Setting(key="parallelism_config_sp_attn_implementation", kind="any",
+                accelerate_env="PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION",
+                help="sdpa (torch's scaled_dot_product_attention)"),
         Setting(key="parallelism_config_cp_comm_strategy", kind="any",
                 accelerate_env="PARALLELISM_CONFIG_CP_COMM_STRATEGY",
                 help="allgather (torch's context_parallel rotation)"),
