@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._options import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
-from accel.parallel import _float8, _fsdp, _start, _tp
+from accel.parallel import _float8, _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions, apply_ddp
 from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
@@ -48,6 +48,7 @@ def wrap_model(
     activation_checkpointing: bool | tuple[type[nn.Module] | str, ...] | None = None,
     fp8: Float8Options | None = None,
     deepspeed: DeepSpeedOptions | None = None,
+    sp_plan: Literal["auto"] | tuple[str, ...] | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -56,12 +57,18 @@ def wrap_model(
     > 1), else DDP over dp_replicate when > 1, else device placement only. Without a
     `Parallelism` every rank is a replica (DDP). "none", "ddp" and "fsdp2" force one wrapper.
 
+    With sp > 1 (Ulysses sequence parallelism), the attention modules `sp_plan` names run
+    their `scaled_dot_product_attention` over the whole sequence for heads / sp of the heads
+    (an all-to-all before and after), and FSDP2 shards over dp_shard x sp, since sp ranks hold
+    the same parameters.
+
     Every argument is validated into a plan first; then the steps run in torch's order: place
-    on the device, agree on the initial weights, tensor parallel, activation checkpointing,
-    regional compile, FSDP2 (or DDP), whole-model compile. Under tensor parallelism and FSDP2,
-    ranks whose initial weights differ (a per-rank seed) all start from rank 0's, as DDP's
-    broadcast gives (checking costs one small all-reduce). A model built under
-    `init_empty_weights` stays on meta, sharded, for `load_checkpoint_in_model` to fill.
+    on the device, agree on the initial weights, tensor parallel, sequence parallel,
+    activation checkpointing, regional compile, FSDP2 (or DDP), whole-model compile. Under
+    tensor parallelism and FSDP2, ranks whose initial weights differ (a per-rank seed) all
+    start from rank 0's, as DDP's broadcast gives (checking costs one small all-reduce). A
+    model built under `init_empty_weights` stays on meta, sharded, for
+    `load_checkpoint_in_model` to fill.
     Create the optimizer from the returned model's parameters: tensor parallel and FSDP2
     replace them (in place: `unwrap_model` returns your module).
 
@@ -88,6 +95,11 @@ def wrap_model(
         deepspeed: with strategy="deepspeed", the DeepSpeed config and your optimizer
             (`DeepSpeedOptions`); the returned model is the DeepSpeed engine, and
             `accumulate`, `optimizer_step` and `clip_grad_norm_` route to it.
+        sp_plan: with sp > 1, the attention modules that call
+            `scaled_dot_product_attention` on (batch, heads, seq, head_dim) tensors: a tuple
+            of module-name patterns ('*' is one name segment), or "auto" for transformers'
+            Llama, Mistral, Mixtral, GPT-2 and Qwen attention classes (attn_implementation
+            "sdpa").
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -128,7 +140,9 @@ def wrap_model(
     if strategy == "auto" and ctx.deepspeed is not None:
         strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
     if strategy == "deepspeed" or (deepspeed is not None and deepspeed.config is not None):
-        return _wrap_deepspeed(ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8)
+        return _wrap_deepspeed(
+            ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8, sp_plan
+        )
     plan = make_plan(
         ctx,
         model,
@@ -138,6 +152,7 @@ def wrap_model(
         ddp=ddp,
         compile=check_compile("wrap_model", ctx.compile if compile is None else compile),
         activation_checkpointing=activation_checkpointing,
+        sp_plan=sp_plan,
     )
     fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
     return _apply(ctx, model, plan, fp8_plan)
@@ -161,8 +176,14 @@ def _wrap_deepspeed(
         )
     if any(o is not None for o in others):
         raise ValueError(
-            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile= or fp8= "
-            "options (the DeepSpeed config says how the engine shards); drop them."
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile=, fp8= or "
+            "sp_plan= options (the DeepSpeed config says how the engine shards); drop them."
+        )
+    if ctx.sp_size > 1 or ctx.ep_size > 1:
+        raise NotImplementedError(
+            f"wrap_model: strategy='deepspeed' with ctx.parallelism={ctx.parallelism}; accel's "
+            "sequence (sp) and expert (ep) parallelism compose with FSDP2, not with DeepSpeed's "
+            "engine. Use sp=1 and ep=1 with DeepSpeed, or strategy='auto' (FSDP2)."
         )
     from accel.parallel import _deepspeed  # on use: it imports deepspeed
 
@@ -183,6 +204,8 @@ def _apply(
         _float8.convert(model, fp8_plan)
     if plan.tp_styles is not None:
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
+    for name, module in plan.sp_modules:  # before checkpointing: recomputation runs it too
+        _ulysses.ulysses(module, name, plan.sp_group, ctx.sp_size)
     _fsdp.checkpoint_activations(list(plan.checkpointed))
     for block in plan.compiled:  # regional: each block in place, one graph reused per block
         block.compile(dynamic=ctx.compile_dynamic)

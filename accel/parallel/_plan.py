@@ -19,8 +19,8 @@ from accel._groups import require_group
 from accel._mesh import check_cp, shard_mesh_name
 from accel._options import CompileMode, FSDPOptions
 from accel._parallelism import Parallelism
-from accel.context import RunContext
-from accel.parallel import _fsdp, _start, _tp
+from accel.context import RunContext, along
+from accel.parallel import _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions
 
 WrapStrategy = Literal["auto", "none", "ddp", "fsdp2", "deepspeed"]
@@ -39,6 +39,10 @@ class WrapPlan:
     """Module name -> torch ParallelStyle; None without tensor parallelism."""
     tp_mesh: Any
     """The 1-D tensor-parallel mesh (None without tensor parallelism)."""
+    sp_modules: tuple[tuple[str, nn.Module], ...] = ()
+    """(name, module) of each attention module Ulysses wraps (empty without sp)."""
+    sp_group: Any = None
+    """The sequence-parallel process group (None: the default group, or no sp)."""
     agree: Literal["no", "if_different", "always"]
     """Whether rank 0's weights are broadcast before splitting: never, when ranks differ, always."""
     checkpointed: tuple[nn.Module, ...]
@@ -83,6 +87,7 @@ def make_plan(
     ddp: DDPOptions | None,
     compile: CompileMode,
     activation_checkpointing: bool | Blocks | None,
+    sp_plan: Any = None,
 ) -> WrapPlan:
     """Validate every argument against the context and the model; decide every step."""
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
@@ -96,6 +101,7 @@ def make_plan(
     if tp:
         raw = _tp.hf_plan(model) if tp_plan == "auto" else tp_plan
         styles = _tp.resolve_plan(model, raw, p.tp)
+    sp_modules = _sp_modules(ctx, model, p, data, sp_plan)
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
     checkpointed = _checkpointed(ctx, model, activation_checkpointing, options, blocks)
@@ -126,6 +132,8 @@ def make_plan(
         data=data,
         tp_styles=styles,
         tp_mesh=mesh_dim(ctx, "tp") if tp else None,
+        sp_modules=sp_modules,
+        sp_group=along(ctx, "sp").process_group if sp_modules else None,
         agree=agree,
         checkpointed=tuple(checkpointed),
         compiled=tuple(blocks) if compile == "regional" else (),
@@ -218,6 +226,34 @@ def _choose(
             f"gradients). {fix}"
         )
     return data, tp
+
+
+def _sp_modules(
+    ctx: RunContext, model: nn.Module, p: Parallelism, data: Data, sp_plan: Any
+) -> tuple[tuple[str, nn.Module], ...]:
+    """The attention modules Ulysses wraps; refuse a plan without sp, sp without a plan."""
+    if p.sp == 1:
+        if sp_plan is not None:
+            raise ValueError(
+                f"wrap_model: sp_plan was given but ctx.parallelism={p} has sp=1 (nothing to "
+                "split); build the context with Parallelism(sp=...), or drop sp_plan."
+            )
+        return ()
+    if sp_plan is None:
+        raise ValueError(
+            f"wrap_model: ctx.parallelism has sp={p.sp} but sp_plan=None; name the attention "
+            "modules whose scaled_dot_product_attention Ulysses wraps, e.g. "
+            "sp_plan=('layers.*.attention',), or sp_plan='auto' for a transformers model."
+        )
+    if data != "fsdp2":
+        raise ValueError(
+            f"wrap_model: sp={p.sp} needs FSDP2 over the ranks holding replicated parameters "
+            f"(their gradients are reduced over sp too), and the strategy applies {data!r}. "
+            "Use strategy='auto'."
+        )
+    names = _ulysses.resolve_plan(model, sp_plan, sp=p.sp, tp=p.tp)
+    modules = dict(model.named_modules())
+    return tuple((name, modules[name]) for name in names)
 
 
 def _checkpointed(
