@@ -5,8 +5,9 @@ They live below `RunContext`, which records them, and below `wrap_model`, which 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Parallelism"]
 
@@ -127,3 +128,25 @@ class Parallelism:
     def names(self) -> tuple[str, ...]:
         """The dimensions of size > 1, in mesh order: the dimensions the DeviceMesh has."""
         return tuple(n for n in MESH_DIMS if getattr(self, n) > 1)
+
+
+def _parts(p: Parallelism, name: str) -> tuple[str, ...] | None:
+    """The root dimensions a flattened mesh dimension joins ("dp", "dp_shard_sp", ...)."""
+    data = tuple(n for n in DATA_DIMS if getattr(p, n) > 1)
+    shard = tuple(n for n in SHARD_DIMS if getattr(p, n) > 1)
+    if name == "dp" and len(data) > 1:
+        return data
+    return shard if len(shard) > 1 and name == "_".join(shard) else None
+
+
+def slice_mesh(mesh: Any, p: Parallelism, names: tuple[str, ...]) -> Any:
+    """`mesh[names]`, a flattened dimension alone taken through `_flatten`, which returns the
+    one `init_distributed` made (slicing it from the root is deprecated in torch 2.11+)."""
+    parts = _parts(p, names[0]) if len(names) == 1 else None
+    if parts is not None:
+        return mesh[parts]._flatten(names[0])
+    with warnings.catch_warnings():
+        # HSDP over flattened shard dimensions: (dp_replicate, dp_shard_sp) has no other
+        # spelling in torch 2.13 than this slice, which still works
+        warnings.filterwarnings("ignore", "Slicing a flattened dim from root mesh")
+        return mesh[names if len(names) > 1 else names[0]]

@@ -13,7 +13,7 @@ import torch
 from typing_extensions import Self
 
 from accel._device import default_device
-from accel._parallelism import DATA_DIMS, MESH_DIMS, MeshDim, Parallelism
+from accel._parallelism import DATA_DIMS, MESH_DIMS, MeshDim, Parallelism, slice_mesh
 from accel._typing import Backend, Precision
 
 if TYPE_CHECKING:
@@ -327,7 +327,7 @@ def _submesh(ctx: RunContext, dim: str) -> Any:
         parts = [n for n in DATA_DIMS if _coordinate(ctx, n)[1] > 1]
         key = "dp" if len(parts) > 1 else parts[0]
     try:
-        return ctx.mesh[key]
+        return slice_mesh(ctx.mesh, ctx.parallelism or Parallelism(), (key,))
     except (KeyError, RuntimeError) as err:
         raise RuntimeError(
             f"along: dim={dim!r} (size {_coordinate(ctx, dim)[1]}) has no group in the "

@@ -60,6 +60,6 @@ def split_sequence(batch: Any, rank: int, size: int) -> Any:
                 f"pad_to_multiple_of={size} in the tokenizer's collator)."
             )
         part = length // size
-        return leaf[:, rank * part : (rank + 1) * part]
+        return leaf[:, rank * part : (rank + 1) * part].contiguous()  # views trip .view()
 
     return tree_map(cut, batch)

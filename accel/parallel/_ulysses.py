@@ -17,10 +17,11 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from accel.parallel._alltoall import all_to_all
 
 # transformers' attention classes whose forward runs SDPA through its attention interface
 # (attn_implementation="sdpa") on (batch, heads, seq, head_dim) tensors: sp_plan="auto".
@@ -38,32 +39,11 @@ PRESETS = frozenset(
 )
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 in equal chunks; its backward is the same exchange, the
-    inverse of an equal-chunk all-to-all (chunk j of rank i goes to chunk i of rank j)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 def heads_to_sequence(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
     """(b, h, s / sp, d) sequence slices -> (b, h / sp, s, d): the whole sequence, h / sp heads."""
     b, h, t, d = x.shape
     send = x.reshape(b, sp, h // sp, t, d).transpose(0, 1)  # chunk j: heads for rank j
-    got: torch.Tensor = _AllToAll.apply(send, group)  # type: ignore[no-untyped-call]
-    # chunk j of `got`: rank j's sequence slice of my heads
+    got = all_to_all(send, group)  # chunk j: rank j's sequence slice of my heads
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
 
 
@@ -71,8 +51,7 @@ def sequence_to_heads(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
     """(b, h / sp, s, d) -> (b, h, s / sp, d): the inverse of `heads_to_sequence`."""
     b, h, t, d = x.shape
     send = x.reshape(b, h, sp, t // sp, d).permute(2, 0, 1, 3, 4)  # chunk j: rank j's slice
-    got: torch.Tensor = _AllToAll.apply(send, group)  # type: ignore[no-untyped-call]
-    # chunk j of `got`: my slice of rank j's heads
+    got = all_to_all(send, group)  # chunk j: my slice of rank j's heads
     return got.transpose(0, 1).reshape(b, sp * h, t // sp, d)
 
 
