@@ -70,6 +70,7 @@ from accel.notebook import (
 )
 from accel.parallel import (
     DDPOptions,
+    ExpertParallel,
     Float8Options,
     FSDPOptions,
     PipelineStages,
@@ -142,6 +143,7 @@ __all__ = [
     "Config",
     "DDPOptions",
     "DeepSpeedOptions",
+    "ExpertParallel",
     "FSDPOptions",
     "Float8Options",
     "JSONLTracker",

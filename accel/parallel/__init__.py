@@ -15,8 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._options import CompileMode, FSDPOptions, check_compile
 from accel.context import RunContext
-from accel.parallel import _float8, _fsdp, _start, _tp, _ulysses
+from accel.parallel import _experts, _float8, _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions, apply_ddp
+from accel.parallel._experts import ExpertParallel
 from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
@@ -25,6 +26,7 @@ from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
 
 __all__ = [
     "DDPOptions",
+    "ExpertParallel",
     "FSDPOptions",
     "Float8Options",
     "PipelineStages",
@@ -49,6 +51,7 @@ def wrap_model(
     fp8: Float8Options | None = None,
     deepspeed: DeepSpeedOptions | None = None,
     sp_plan: Literal["auto"] | tuple[str, ...] | None = None,
+    ep_plan: Literal["auto"] | Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -61,6 +64,11 @@ def wrap_model(
     their `scaled_dot_product_attention` over the whole sequence for heads / sp of the heads
     (an all-to-all before and after), and FSDP2 shards over dp_shard x sp, since sp ranks hold
     the same parameters.
+
+    With ep > 1 (expert parallelism), each experts module `ep_plan` names keeps
+    num_experts / ep of its experts on each ep rank (DTensors sharded on dim 0) and sends each
+    routed token to the rank holding its expert and back (all-to-alls); FSDP2 shards the
+    experts' weights over dp_shard only, and the other parameters over dp_shard x ep.
 
     Every argument is validated into a plan first; then the steps run in torch's order: place
     on the device, agree on the initial weights, tensor parallel, sequence parallel,
@@ -100,6 +108,11 @@ def wrap_model(
             of module-name patterns ('*' is one name segment), or "auto" for transformers'
             Llama, Mistral, Mixtral, GPT-2 and Qwen attention classes (attn_implementation
             "sdpa").
+        ep_plan: with ep > 1, the experts modules (weights stacked on dim 0, called as
+            `experts(tokens, top_k_index, top_k_weights)`): a dict of module-name pattern ->
+            "gate_up_down" (transformers' layout), a function `fn(module, weights, tokens)`
+            computing one expert, or `ExpertParallel(expert_fn=..., capacity_factor=...)`; or
+            "auto" for transformers' Mixtral and Qwen-MoE experts.
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -141,7 +154,7 @@ def wrap_model(
         strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
     if strategy == "deepspeed" or (deepspeed is not None and deepspeed.config is not None):
         return _wrap_deepspeed(
-            ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8, sp_plan
+            ctx, model, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8, sp_plan, ep_plan
         )
     plan = make_plan(
         ctx,
@@ -153,6 +166,7 @@ def wrap_model(
         compile=check_compile("wrap_model", ctx.compile if compile is None else compile),
         activation_checkpointing=activation_checkpointing,
         sp_plan=sp_plan,
+        ep_plan=ep_plan,
     )
     fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
     return _apply(ctx, model, plan, fp8_plan)
@@ -176,8 +190,9 @@ def _wrap_deepspeed(
         )
     if any(o is not None for o in others):
         raise ValueError(
-            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile=, fp8= or "
-            "sp_plan= options (the DeepSpeed config says how the engine shards); drop them."
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile=, fp8=, "
+            "sp_plan= or ep_plan= options (the DeepSpeed config says how the engine shards); "
+            "drop them."
         )
     if ctx.sp_size > 1 or ctx.ep_size > 1:
         raise NotImplementedError(
@@ -206,13 +221,24 @@ def _apply(
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
     for name, module in plan.sp_modules:  # before checkpointing: recomputation runs it too
         _ulysses.ulysses(module, name, plan.sp_group, ctx.sp_size)
+    for _, module, style in plan.ep_modules:
+        _experts.shard_experts(module, plan.ep_mesh)
+        _experts.dispatch(module, style, plan.ep_mesh.get_group(), ctx.ep_size, ctx.device)
     _fsdp.checkpoint_activations(list(plan.checkpointed))
     for block in plan.compiled:  # regional: each block in place, one graph reused per block
         block.compile(dynamic=ctx.compile_dynamic)
     wrapped = model
     if plan.data == "fsdp2":
+        # Experts first, in a unit of their own over the data ranks that are not ep (never
+        # over ep twice); with none, the other units leave their weights out.
+        ignored: set[nn.Parameter] = set()
+        for _, module, _ in plan.ep_modules:
+            if plan.ep_fsdp_mesh is not None:
+                _fsdp.apply_fsdp2(ctx, module, plan.fsdp, plan.ep_fsdp_mesh, layers=[])
+            else:
+                ignored.update(module.parameters())
         wrapped = _fsdp.apply_fsdp2(
-            ctx, model, plan.fsdp, plan.fsdp_mesh, layers=list(plan.fsdp_layers)
+            ctx, model, plan.fsdp, plan.fsdp_mesh, layers=list(plan.fsdp_layers), ignored=ignored
         )
     elif plan.data == "ddp":
         wrapped = apply_ddp(ctx, model, plan.ddp, group=plan.ddp_group)

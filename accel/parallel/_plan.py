@@ -18,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 from accel._groups import require_group
 from accel._mesh import check_cp, shard_mesh_name
 from accel._options import CompileMode, FSDPOptions
-from accel._parallelism import Parallelism
+from accel._parallelism import Parallelism, slice_mesh
 from accel.context import RunContext, along
-from accel.parallel import _fsdp, _start, _tp, _ulysses
+from accel.parallel import _experts, _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions
 
 WrapStrategy = Literal["auto", "none", "ddp", "fsdp2", "deepspeed"]
@@ -43,6 +43,13 @@ class WrapPlan:
     """(name, module) of each attention module Ulysses wraps (empty without sp)."""
     sp_group: Any = None
     """The sequence-parallel process group (None: the default group, or no sp)."""
+    ep_modules: tuple[tuple[str, nn.Module, _experts.ExpertParallel], ...] = ()
+    """(name, module, style) of each experts module split over ep (empty without ep)."""
+    ep_mesh: Any = None
+    """The 1-D expert-parallel mesh the experts' weights are sharded over."""
+    ep_fsdp_mesh: Any = None
+    """The mesh FSDP2 shards the experts' weights over: the data ranks that are not ep
+    (dp_shard, or (dp_replicate, dp_shard)); None when there are none."""
     agree: Literal["no", "if_different", "always"]
     """Whether rank 0's weights are broadcast before splitting: never, when ranks differ, always."""
     checkpointed: tuple[nn.Module, ...]
@@ -88,6 +95,7 @@ def make_plan(
     compile: CompileMode,
     activation_checkpointing: bool | Blocks | None,
     sp_plan: Any = None,
+    ep_plan: Any = None,
 ) -> WrapPlan:
     """Validate every argument against the context and the model; decide every step."""
     p = ctx.parallelism or Parallelism(dp_replicate=ctx.world_size)
@@ -102,6 +110,7 @@ def make_plan(
         raw = _tp.hf_plan(model) if tp_plan == "auto" else tp_plan
         styles = _tp.resolve_plan(model, raw, p.tp)
     sp_modules = _sp_modules(ctx, model, p, data, sp_plan)
+    ep_modules = _ep_modules(p, model, data, ep_plan)
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
     checkpointed = _checkpointed(ctx, model, activation_checkpointing, options, blocks)
@@ -134,6 +143,9 @@ def make_plan(
         tp_mesh=mesh_dim(ctx, "tp") if tp else None,
         sp_modules=sp_modules,
         sp_group=along(ctx, "sp").process_group if sp_modules else None,
+        ep_modules=ep_modules,
+        ep_mesh=mesh_dim(ctx, "ep") if ep_modules else None,
+        ep_fsdp_mesh=_ep_fsdp_mesh(ctx, p) if ep_modules else None,
         agree=agree,
         checkpointed=tuple(checkpointed),
         compiled=tuple(blocks) if compile == "regional" else (),
@@ -245,6 +257,15 @@ def _sp_modules(
             "modules whose scaled_dot_product_attention Ulysses wraps, e.g. "
             "sp_plan=('layers.*.attention',), or sp_plan='auto' for a transformers model."
         )
+    if p.cp > 1:
+        # torch's context_parallel rewrites the same SDPA call into ring attention; with the
+        # all-to-alls around it (sp inside, cp outside) the two have not been run together on
+        # CUDA here, so the pair is refused rather than trusted.
+        raise NotImplementedError(
+            f"wrap_model: sp={p.sp} with cp={p.cp} is not supported yet (Ulysses inside ring "
+            "attention has not been verified on CUDA); use one of them: fold the cp ranks into "
+            "sp (any device), or sp=1."
+        )
     if data != "fsdp2":
         raise ValueError(
             f"wrap_model: sp={p.sp} needs FSDP2 over the ranks holding replicated parameters "
@@ -254,6 +275,45 @@ def _sp_modules(
     names = _ulysses.resolve_plan(model, sp_plan, sp=p.sp, tp=p.tp)
     modules = dict(model.named_modules())
     return tuple((name, modules[name]) for name in names)
+
+
+def _ep_modules(
+    p: Parallelism, model: nn.Module, data: Data, ep_plan: Any
+) -> tuple[tuple[str, nn.Module, _experts.ExpertParallel], ...]:
+    """The experts modules split over ep; refuse a plan without ep, ep without a plan."""
+    if p.ep == 1:
+        if ep_plan is not None:
+            raise ValueError(
+                f"wrap_model: ep_plan was given but ctx.parallelism={p} has ep=1 (nothing to "
+                "split); build the context with Parallelism(ep=...), or drop ep_plan."
+            )
+        return ()
+    if ep_plan is None:
+        raise ValueError(
+            f"wrap_model: ctx.parallelism has ep={p.ep} but ep_plan=None; name the experts "
+            "modules to split, e.g. ep_plan={'layers.*.moe.experts': my_expert_fn}, or "
+            "ep_plan='auto' for transformers' Mixtral / Qwen-MoE experts."
+        )
+    others = [f"{n}={getattr(p, n)}" for n in ("pp", "cp", "sp", "tp") if getattr(p, n) > 1]
+    if others:
+        raise NotImplementedError(
+            f"wrap_model: ep={p.ep} with {', '.join(others)} is not supported: accel's expert "
+            "parallelism composes with dp_shard and dp_replicate (the data dimensions). Fold "
+            "those ranks into dp_shard, or use ep=1."
+        )
+    if data != "fsdp2":
+        raise ValueError(
+            f"wrap_model: ep={p.ep} needs FSDP2 over the ranks holding the replicated (non-expert) "
+            f"parameters, and the strategy applies {data!r}. Use strategy='auto'."
+        )
+    modules = dict(model.named_modules())
+    return tuple((n, modules[n], style) for n, style in _experts.resolve_plan(model, ep_plan, p.ep))
+
+
+def _ep_fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
+    """The data ranks that are not ep: FSDP2 shards expert weights over them, never over ep."""
+    dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(p, n) > 1)
+    return mesh_dim(ctx, *dims) if dims else None
 
 
 def _checkpointed(
@@ -298,7 +358,7 @@ def mesh_dim(ctx: RunContext, *names: str) -> Any:
             f"wrap_model: ctx.parallelism={ctx.parallelism} splits the world but the context "
             "has no DeviceMesh; build it with accel.init_distributed(parallelism=...)."
         )
-    return ctx.mesh[names if len(names) > 1 else names[0]]
+    return slice_mesh(ctx.mesh, ctx.parallelism or Parallelism(), names)
 
 
 def agree_group(ctx: RunContext) -> Any:
