@@ -196,27 +196,44 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ffn_norm(x))
 
 
-class MoELlama(nn.Module):
+class MoELlama(Llama):
     """The Llama-style model with a 4-expert top-2 MoE in place of each feed-forward."""
 
     def __init__(
         self, num_experts: int = 4, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS,
         layers: int = LAYERS,
     ) -> None:  # fmt: skip
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
+        super().__init__(vocab, dim, heads, layers)
         self.layers = nn.ModuleList([MoEBlock(dim, heads, num_experts) for _ in range(layers)])
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
 
 
 EP_PLAN = {"layers.*.moe.experts": swiglu_expert}
+
+
+def sgd_reference(
+    model: nn.Module, batches: Any, loss_of: Any, *, lr: float, max_norm: float
+) -> dict[str, Any]:
+    """One process, SGD with momentum 0.9 and clipping: each step's loss and gradient norm, the
+    first step's gradients and the final parameters (the sp / ep tests' reference)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, norms, grads = [], [], None
+    for batch in batches:
+        loss = loss_of(model, batch)
+        loss.backward()
+        if grads is None:
+            grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest |a - b| of any tensor, relative to that tensor's largest |b|."""
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in a)
 
 
 # ---- GPT-2 and Llama, named as transformers names them ---------------------------------------

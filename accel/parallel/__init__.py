@@ -108,7 +108,8 @@ def wrap_model(
             of module-name patterns ('*' is one name segment), or "auto" for transformers'
             Llama, Mistral, Mixtral, GPT-2 and Qwen attention classes (attn_implementation
             "sdpa").
-        ep_plan: with ep > 1, the experts modules (weights stacked on dim 0, called as
+        ep_plan: with ep > 1, the experts modules (`num_experts` weights stacked on dim 0,
+            an attribute `num_experts`, called as
             `experts(tokens, top_k_index, top_k_weights)`): a dict of module-name pattern ->
             "gate_up_down" (transformers' layout), a function `fn(module, weights, tokens)`
             computing one expert, or `ExpertParallel(expert_fn=..., capacity_factor=...)`; or
@@ -123,13 +124,15 @@ def wrap_model(
         ValueError: for an unknown `strategy`, a model that is already wrapped, options for
             another strategy, a strategy or plan that contradicts `ctx.parallelism`, a tp plan
             that is empty or names no module, a tp size not dividing a split dimension, a layer
-            or block class matching nothing, a meta model under DDP, or "fsdp2" without a
-            process group.
+            or block class matching nothing, a meta model under DDP, "fsdp2" without a
+            process group, or (sp, ep) a missing plan, a pattern naming nothing, heads or
+            experts the size does not divide.
         TypeError: for a `model` that is not an `nn.Module`, a `tp_plan` that is not a dict of
             str patterns, or an `activation_checkpointing` of another type.
         NotImplementedError: for DDP combined with tensor parallelism, offload_params on a
-            CPU run, context parallelism (cp > 1) off CUDA, or (fp8) a tp style torchao has no
-            float8 twin of.
+            CPU run, context parallelism (cp > 1) off CUDA, (fp8) a tp style torchao has no
+            float8 twin of, sp with cp, ep with pp, cp, sp or tp, compile with sp or ep, or a
+            transformers attention Ulysses cannot wrap (not sdpa, sliding window).
         ImportError: for ctx.precision="fp8" without torchao (the `fp8` extra).
         RuntimeError: for "ddp" when no process group is initialised, or a split world
             without a DeviceMesh.

@@ -18,14 +18,14 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from accel.parallel._alltoall import all_to_all
+from accel.parallel._tp import named_by
 
 ExpertFn = Callable[[nn.Module, Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 """`fn(module, weights, tokens) -> outputs`: one expert on its tokens; `weights` maps each
@@ -52,9 +52,9 @@ class ExpertParallel:
         1.25
     """
 
-    expert_fn: ExpertFn = gate_up_down
-    """One expert's computation, `fn(module, weights, tokens)`; default transformers'
-    gate_up_proj / down_proj layout."""
+    expert_fn: ExpertFn | Literal["gate_up_down"] = "gate_up_down"
+    """One expert's computation, `fn(module, weights, tokens)`; "gate_up_down" (default):
+    transformers' gate_up_proj / down_proj / act_fn layout."""
     capacity_factor: float | None = None
     """None: every routed token is computed (dropless). A number c: each expert takes at most
     ceil(c x tokens x top_k / num_experts) of a rank's assignments, in token order; the rest
@@ -62,10 +62,11 @@ class ExpertParallel:
     the module's `dropped_tokens` buffer."""
 
     def __post_init__(self) -> None:
-        if not callable(self.expert_fn):
+        if self.expert_fn != "gate_up_down" and not callable(self.expert_fn):
             raise TypeError(
                 f"ExpertParallel: expert_fn={self.expert_fn!r} must be a function "
-                "fn(module, weights, tokens) -> outputs computing one expert."
+                "fn(module, weights, tokens) -> outputs computing one expert, or "
+                "'gate_up_down' (transformers' layout)."
             )
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
@@ -75,19 +76,10 @@ class ExpertParallel:
             )
 
 
-def _matches(pattern: str, name: str) -> bool:
-    want, have = pattern.split("."), name.split(".")
-    return len(want) == len(have) and all(
-        fnmatchcase(h, w) for w, h in zip(want, have, strict=True)
-    )
-
-
 def _style(value: Any, pattern: str) -> ExpertParallel:
     if isinstance(value, ExpertParallel):
         return value
-    if value == "gate_up_down":
-        return ExpertParallel()
-    if callable(value):
+    if value == "gate_up_down" or callable(value):
         return ExpertParallel(expert_fn=value)
     raise TypeError(
         f"wrap_model: ep_plan[{pattern!r}]={value!r} is not an experts style; expected "
@@ -108,17 +100,11 @@ def resolve_plan(model: nn.Module, plan: Any, ep: int) -> tuple[tuple[str, Exper
                 "modules, e.g. ep_plan={'layers.*.moe.experts': my_expert_fn}."
             )
     elif isinstance(plan, Mapping) and plan and all(isinstance(k, str) for k in plan):
-        found = []
-        for pattern, value in plan.items():
-            names = [n for n in modules if n and _matches(pattern, n)]
-            if not names:
-                sample = [n for n in modules if n][:8]
-                raise ValueError(
-                    f"wrap_model: ep_plan pattern {pattern!r} names no module of "
-                    f"{type(model).__name__}; module names look like {sample}. Fix the pattern "
-                    "('*' stands for one name segment, e.g. 'layers.*.moe.experts')."
-                )
-            found += [(n, _style(value, pattern)) for n in names]
+        found = [
+            (n, _style(value, pattern))
+            for pattern, value in plan.items()
+            for n in named_by(model, "ep_plan", pattern, "layers.*.moe.experts")
+        ]
     else:
         raise (ValueError if isinstance(plan, str) else TypeError)(
             f"wrap_model: ep_plan={plan!r} is not a plan; expected 'auto' (transformers' "
@@ -134,12 +120,12 @@ def _check_module(name: str, module: nn.Module, ep: int) -> None:
     params = dict(module.named_parameters())
     sizes = {n: p.shape[0] if p.dim() else None for n, p in params.items()}
     num = getattr(module, "num_experts", None)
-    stacked = set(sizes.values())
-    if not params or len(stacked) != 1 or (num is not None and stacked != {num}):
+    if not isinstance(num, int) or not params or set(sizes.values()) != {num}:
         raise ValueError(
             f"wrap_model: ep_plan names {name} ({type(module).__name__}), whose parameters "
             f"{sizes} do not all stack num_experts={num!r} experts on dim 0; expert "
-            "parallelism splits dim 0 over ep. Name the module holding the stacked experts."
+            "parallelism splits dim 0 over ep. Name the module holding the stacked experts "
+            "(with its num_experts attribute, as transformers' experts modules have)."
         )
     count = next(iter(sizes.values()))
     assert count is not None
@@ -232,12 +218,13 @@ def _run_experts(
     local = got.shape[1]
     chunks = list(torch.split(tokens, sizes))
     params = dict(module.named_parameters(recurse=False))
+    expert_fn = gate_up_down if style.expert_fn == "gate_up_down" else style.expert_fn
     weights = {n: _ScaleGrad.apply(_local(p), 1.0 / ep) for n, p in params.items()}  # type: ignore[no-untyped-call]
     out: list[torch.Tensor | None] = [None] * len(chunks)
     for e in range(local):
         mine = [j * local + e for j in range(ep)]
         joined = torch.cat([chunks[i] for i in mine])
-        result = style.expert_fn(module, {n: w[e] for n, w in weights.items()}, joined)
+        result = expert_fn(module, {n: w[e] for n, w in weights.items()}, joined)
         parts = torch.split(result, [sizes[i] for i in mine])
         for i, part in zip(mine, parts, strict=True):
             out[i] = part

@@ -111,6 +111,12 @@ def make_plan(
         styles = _tp.resolve_plan(model, raw, p.tp)
     sp_modules = _sp_modules(ctx, model, p, data, sp_plan)
     ep_modules = _ep_modules(p, model, data, ep_plan)
+    if compile and (sp_modules or ep_modules):
+        raise NotImplementedError(
+            f"wrap_model: compile={compile!r} with sp={p.sp}, ep={p.ep}: the all-to-alls "
+            "around attention and the experts' dispatcher have not been verified under "
+            "torch.compile; use compile=False with sequence or expert parallelism."
+        )
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
     checkpointed = _checkpointed(ctx, model, activation_checkpointing, options, blocks)

@@ -18,6 +18,12 @@ def _size(dim: str, help: str, *flags: str) -> Setting:
                    help=help)  # fmt: skip
 
 
+def _choice(name: str, help: str) -> Setting:
+    """A key of Accelerate's section that builds no Parallelism part, checked in _build."""
+    key = f"parallelism_config_{name}"
+    return Setting(key=key, kind="any", accelerate_env=key.upper(), help=help)
+
+
 def _build(config: Any) -> dict[str, Any]:
     from accel._parallelism import Parallelism  # on use
     from accel._settings.values import allow, known, parse  # on use
@@ -88,20 +94,10 @@ SECTION = Section(
         _size("tp", "tensor-parallel size", "tp_size"),
         _size("sp", "Ulysses sequence-parallel size (all-to-all around attention)"),
         _size("ep", "expert-parallel size (accel's key: experts split over ep ranks)"),
-        Setting(key="parallelism_config_sp_backend", kind="any",
-                accelerate_env="PARALLELISM_CONFIG_SP_BACKEND",
-                help="deepspeed: Ulysses, which accel runs itself"),
-        Setting(key="parallelism_config_sp_seq_length", kind="any",
-                accelerate_env="PARALLELISM_CONFIG_SP_SEQ_LENGTH",
-                help="sequence length (checked: divisible by the sp size)"),
-        Setting(key="parallelism_config_sp_seq_length_is_variable", kind="any",
-                accelerate_env="PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE",
-                help="accel checks every batch's length, variable or not"),
-        Setting(key="parallelism_config_sp_attn_implementation", kind="any",
-                accelerate_env="PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION",
-                help="sdpa (torch's scaled_dot_product_attention)"),
-        Setting(key="parallelism_config_cp_comm_strategy", kind="any",
-                accelerate_env="PARALLELISM_CONFIG_CP_COMM_STRATEGY",
-                help="allgather (torch's context_parallel rotation)"),
+        _choice("sp_backend", "deepspeed: Ulysses, which accel runs itself"),
+        _choice("sp_seq_length", "sequence length (checked: divisible by the sp size)"),
+        _choice("sp_seq_length_is_variable", "accel checks every batch's length, variable or not"),
+        _choice("sp_attn_implementation", "sdpa (torch's scaled_dot_product_attention)"),
+        _choice("cp_comm_strategy", "allgather (torch's context_parallel rotation)"),
     ),
 )  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel.parallel._alltoall import all_to_all
+from accel.parallel._tp import named_by
 
 # transformers' attention classes whose forward runs SDPA through its attention interface
 # (attn_implementation="sdpa") on (batch, heads, seq, head_dim) tensors: sp_plan="auto".
@@ -125,13 +125,6 @@ def ulysses(module: nn.Module, name: str, group: Any, sp: int) -> None:
     module.forward = forward
 
 
-def _matches(pattern: str, name: str) -> bool:
-    want, have = pattern.split("."), name.split(".")
-    return len(want) == len(have) and all(
-        fnmatchcase(h, w) for w, h in zip(want, have, strict=True)
-    )
-
-
 def resolve_plan(model: nn.Module, plan: Any, *, sp: int, tp: int) -> tuple[str, ...]:
     """The attention modules `plan` names ("auto": transformers' presets), each checked."""
     modules = dict(model.named_modules())
@@ -146,17 +139,7 @@ def resolve_plan(model: nn.Module, plan: Any, *, sp: int, tp: int) -> tuple[str,
                 "sp_plan=('layers.*.attention',)."
             )
     elif isinstance(plan, (tuple, list)) and plan and all(isinstance(p, str) for p in plan):
-        names = []
-        for pattern in plan:
-            found = [n for n in modules if n and _matches(pattern, n)]
-            if not found:
-                sample = [n for n in modules if n][:8]
-                raise ValueError(
-                    f"wrap_model: sp_plan pattern {pattern!r} names no module of "
-                    f"{type(model).__name__}; module names look like {sample}. Fix the "
-                    "pattern ('*' stands for one name segment, e.g. 'layers.*.attention')."
-                )
-            names += found
+        names = [n for p in plan for n in named_by(model, "sp_plan", p, "layers.*.attention")]
     else:
         raise (TypeError if not isinstance(plan, str) else ValueError)(
             f"wrap_model: sp_plan={plan!r} is not a plan; expected 'auto' (transformers' "

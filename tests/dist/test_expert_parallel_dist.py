@@ -25,7 +25,15 @@ import accel
 from accel import ExpertParallel, Parallelism
 from accel._mesh import with_mesh
 from accel.testing import device_canary, run_world
-from tests.models import EP_PLAN, MoELlama, batches, full_param, swiglu_expert
+from tests.models import (
+    EP_PLAN,
+    MoELlama,
+    batches,
+    full_param,
+    max_relative,
+    sgd_reference,
+    swiglu_expert,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -86,35 +94,18 @@ def _train(
 
 @cache
 def _reference() -> dict[str, Any]:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, norms, grads = [], [], None
-    for tokens in DataLoader(_loader_data(), batch_size=GLOBAL_BATCH):
-        loss = _loss(model, tokens)
-        loss.backward()
-        if grads is None:
-            grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: q.detach().clone() for n, q in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
-
-
-def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in a)
+    data = DataLoader(_loader_data(), batch_size=GLOBAL_BATCH)
+    return sgd_reference(_model(), data, _loss, lr=LR, max_norm=MAX_NORM)
 
 
 def _check(out: dict[str, Any]) -> float:
     ref = _reference()
     assert out["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert _relative(out["grads"], ref["grads"]) <= 1e-5
-    assert _relative(out["params"], ref["params"]) <= 1e-5
+    assert max_relative(out["grads"], ref["grads"]) <= 1e-5
+    assert max_relative(out["params"], ref["params"]) <= 1e-5
     gaps = [abs(a - b) / b for a, b in zip(out["losses"], ref["losses"], strict=True)]
-    return max(*gaps, _relative(out["params"], ref["params"]))
+    return max(*gaps, max_relative(out["params"], ref["params"]))
 
 
 def _capacity(ctx: accel.RunContext) -> dict[str, Any]:
@@ -149,7 +140,7 @@ def test_ep2_equals_ep1_over_20_steps_resumes_at_ep1_and_counts_dropped_tokens(
         assert whole["meshes"]["layers.0.moe.experts.w1"] == ("ep",)
         assert whole["meshes"]["layers.0.moe.router.weight"] == ("ep",)  # FSDP2 over dp x ep
         assert out["resumed"]["losses"] == pytest.approx(ref["losses"][RESUME_AT:], rel=1e-5)
-        assert _relative(out["resumed"]["params"], ref["params"]) <= 1e-5
+        assert max_relative(out["resumed"]["params"], ref["params"]) <= 1e-5
     # capacity ceil(0.5 x 16 tokens x top-2 / 4 experts) = 4 per expert on each rank
     model = _model()
     for rank, out in enumerate(results):

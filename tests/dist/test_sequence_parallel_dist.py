@@ -29,7 +29,7 @@ import accel
 from accel import Parallelism
 from accel._mesh import with_mesh
 from accel.testing import device_canary, run_world
-from tests.models import TP_PLAN, batches, full_param, make_model
+from tests.models import TP_PLAN, batches, full_param, make_model, max_relative, sgd_reference
 
 pytestmark = pytest.mark.dist
 
@@ -106,25 +106,8 @@ def _train(
 @cache
 def _reference() -> dict[str, Any]:
     """sp=1: one process, the whole global batch per step."""
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, norms, grads = [], [], None
-    for inputs, targets in DataLoader(_pairs(), batch_size=GLOBAL_BATCH):
-        loss = _loss(model, inputs, targets)
-        loss.backward()
-        if grads is None:
-            grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: q.detach().clone() for n, q in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
-
-
-def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in a)
+    data = DataLoader(_pairs(), batch_size=GLOBAL_BATCH)
+    return sgd_reference(make_model(), data, lambda m, b: _loss(m, *b), lr=LR, max_norm=MAX_NORM)
 
 
 def _sliced_attention_loss(sp: int) -> float:
@@ -143,10 +126,10 @@ def _check(results: list[dict[str, Any]], sp: int) -> None:
         assert len(out["losses"]) == STEPS
         assert out["losses"] == pytest.approx(ref["losses"], rel=1e-5), rank
         assert out["norms"] == pytest.approx(ref["norms"], rel=1e-5), rank
-        assert _relative(out["grads"], ref["grads"]) <= 1e-5, rank
-        assert _relative(out["params"], ref["params"]) <= 1e-5, rank
+        assert max_relative(out["grads"], ref["grads"]) <= 1e-5, rank
+        assert max_relative(out["params"], ref["params"]) <= 1e-5, rank
         gaps = [abs(a - b) / b for a, b in zip(out["losses"], ref["losses"], strict=True)]
-        worst = max(worst, *gaps, _relative(out["params"], ref["params"]))
+        worst = max(worst, *gaps, max_relative(out["params"], ref["params"]))
     print(f"largest relative gap to sp=1 over {STEPS} steps: {worst:.1e}")
     # the comparison can fail: attention over each slice alone is far from the whole sequence's
     assert abs(_sliced_attention_loss(sp) - ref["losses"][0]) > 1e-3
@@ -167,7 +150,7 @@ def test_sp2_equals_sp1_over_20_steps_and_resumes_at_sp1(tmp_path: Path) -> None
     ref = _reference()
     for out in results:  # saved at sp=2 after 10 steps, resumed at sp=1 (dp_shard=2)
         assert out["resumed"]["losses"] == pytest.approx(ref["losses"][RESUME_AT:], rel=1e-5)
-        assert _relative(out["resumed"]["params"], ref["params"]) <= 1e-5
+        assert max_relative(out["resumed"]["params"], ref["params"]) <= 1e-5
 
 
 def _pipeline(ctx: accel.RunContext) -> list[float]:
