@@ -25,11 +25,11 @@ import accel
 from accel import ExpertParallel, Parallelism
 from accel._mesh import with_mesh
 from accel.testing import device_canary, run_world
+from tests.dist._sgd import train_on_mesh
 from tests.models import (
     EP_PLAN,
     MoELlama,
     batches,
-    full_param,
     max_relative,
     sgd_reference,
     swiglu_expert,
@@ -65,31 +65,16 @@ def _train(
 ) -> dict[str, Any]:
     plan = EP_PLAN if ctx.ep_size > 1 else None
     model = accel.wrap_model(ctx, _model(), ep_plan=plan)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     loader = accel.shard_loader(
         ctx, DataLoader(_loader_data(), batch_size=GLOBAL_BATCH // ctx.dp_size)
     )
-    if state is not None and state[0] == "load":
-        accel.load_state(ctx, state[1], model=model, optimizer=opt, loader=loader)
-    world = dataclasses.replace(ctx, parallelism=None, mesh=None)
-    losses, norms, grads = [], [], None
-    for _, tokens in zip(range(*steps), loader, strict=False):
-        loss = _loss(model, tokens)
-        accel.scaled_backward(ctx, loss)
-        if grads is None:
-            grads = {n: full_param(q.grad) for n, q in accel.unwrap_model(model).named_parameters()}
-        norms.append(accel.clip_grad_norm_(ctx, model, MAX_NORM).item())
-        assert accel.optimizer_step(ctx, opt)
-        opt.zero_grad()
-        losses.append(accel.reduce(world, loss.detach(), op="mean").item())
-    if state is not None and state[0] == "save":
-        accel.save_state(ctx, state[1], model=model, optimizer=opt, loader=loader)
+    out = train_on_mesh(ctx, model, loader, _loss, lr=LR, max_norm=MAX_NORM, steps=steps,
+                        state=state)  # fmt: skip
     inner = accel.unwrap_model(model)
-    params = {n: full_param(q) for n, q in inner.named_parameters()}
-    local = {n: tuple(q.to_local().shape) for n, q in inner.named_parameters() if "experts" in n}
-    meshes = {n: q.device_mesh.mesh_dim_names for n, q in inner.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params,
-            "local": local, "meshes": meshes}  # fmt: skip
+    out["local"] = {n: tuple(q.to_local().shape)
+                    for n, q in inner.named_parameters() if "experts" in n}  # fmt: skip
+    out["meshes"] = {n: q.device_mesh.mesh_dim_names for n, q in inner.named_parameters()}
+    return out
 
 
 @cache

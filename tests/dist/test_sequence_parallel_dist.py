@@ -29,7 +29,8 @@ import accel
 from accel import Parallelism
 from accel._mesh import with_mesh
 from accel.testing import device_canary, run_world
-from tests.models import TP_PLAN, batches, full_param, make_model, max_relative, sgd_reference
+from tests.dist._sgd import train_on_mesh
+from tests.models import TP_PLAN, batches, make_model, max_relative, sgd_reference
 
 pytestmark = pytest.mark.dist
 
@@ -80,27 +81,14 @@ def _train(
     p = ctx.parallelism
     assert p is not None
     model = _wrap(ctx, make_model(), options.get("ac", False))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     loader = accel.shard_loader(ctx, DataLoader(_pairs(), batch_size=GLOBAL_BATCH // ctx.dp_size))
-    if state is not None and state[0] == "load":
-        accel.load_state(ctx, state[1], model=model, optimizer=opt, loader=loader)
-    world = dataclasses.replace(ctx, parallelism=None, mesh=None)
-    losses, norms, grads = [], [], None
-    for _, (inputs, targets) in zip(range(*steps), loader, strict=False):
-        assert inputs.shape[1] == 8 // ctx.sp_size  # this rank's slice of the sequence
-        loss = _loss(model, inputs, targets)
-        accel.scaled_backward(ctx, loss)
-        if grads is None:
-            grads = {n: full_param(q.grad) for n, q in accel.unwrap_model(model).named_parameters()}
-        norms.append(accel.clip_grad_norm_(ctx, model, MAX_NORM).item())
-        assert accel.optimizer_step(ctx, opt)
-        opt.zero_grad()
-        # every rank scores as many tokens, so the mean over the world is the global mean
-        losses.append(accel.reduce(world, loss.detach(), op="mean").item())
-    if state is not None and state[0] == "save":
-        accel.save_state(ctx, state[1], model=model, optimizer=opt, loader=loader)
-    params = {n: full_param(q) for n, q in accel.unwrap_model(model).named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+    def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        assert batch[0].shape[1] == 8 // ctx.sp_size  # this rank's slice of the sequence
+        return _loss(model, *batch)
+
+    return train_on_mesh(ctx, model, loader, loss_of, lr=LR, max_norm=MAX_NORM, steps=steps,
+                         state=state)  # fmt: skip
 
 
 @cache
