@@ -83,6 +83,7 @@ from accel.notebook import (
 )
 from accel.parallel import (
     DDPOptions,
+    ExpertParallel,
     Float8Options,
     FSDPOptions,
     PipelineStages,
@@ -155,6 +156,7 @@ __all__ = [
     "Config",
     "DDPOptions",
     "DeepSpeedOptions",
+    "ExpertParallel",
     "FSDPOptions",
     "Float8Options",
     "JSONLTracker",

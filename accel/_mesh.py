@@ -6,7 +6,29 @@ import dataclasses
 
 import torch.distributed as dist
 
+from accel._parallelism import DATA_DIMS, SHARD_DIMS
 from accel.context import Parallelism, RunContext
+
+
+def flat_dims(parallelism: Parallelism, dims: tuple[str, ...]) -> tuple[str, ...]:
+    """The dimensions among `dims` of size > 1, in mesh order."""
+    return tuple(n for n in dims if getattr(parallelism, n) > 1)
+
+
+def shard_mesh_name(parallelism: Parallelism) -> str | None:
+    """The mesh dimension FSDP2 shards replicated parameters over: dp_shard, ep, cp and sp
+    together (the one of size > 1, or their flattening); None when all are 1.
+
+    Example:
+        >>> shard_mesh_name(Parallelism(dp_shard=2, sp=2)), shard_mesh_name(Parallelism(sp=2))
+        ('dp_shard_sp', 'sp')
+    """
+    dims = flat_dims(parallelism, SHARD_DIMS)
+    if not dims:
+        return None
+    if len(dims) > 1 and dims == flat_dims(parallelism, DATA_DIMS):
+        return "dp"  # the same ranks as the data dimensions: one flattened group serves both
+    return "_".join(dims)
 
 
 def check_cp(
@@ -30,10 +52,11 @@ def with_mesh(ctx: RunContext, parallelism: Parallelism, *, source: str) -> RunC
     """Return `ctx` with `parallelism` resolved and its DeviceMesh built (a collective).
 
     The mesh has one dimension per size > 1, named as in `Parallelism`, plus the flattened
-    "dp" (dp_replicate x dp_shard) when both are > 1 and "dp_shard_cp" when cp > 1, the
-    dimensions FSDP2 and `along(ctx, "dp")` use, and "stage" (every dimension but pp) when pp
-    > 1 and several others are: the ranks that hold the same pipeline stage. Every rank must
-    call it.
+    "dp" (dp_replicate x dp_shard x ep) when two of those are > 1 and the flattening of the
+    dimensions FSDP2 shards over (dp_shard, ep, cp, sp: "dp_shard_cp", "dp_shard_sp", ...) when
+    two of those are, the dimensions FSDP2 and `along(ctx, "dp")` use, and "stage" (every
+    dimension but pp) when pp > 1 and several others are: the ranks that hold the same pipeline
+    stage. Every rank must call it.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -51,10 +74,12 @@ def with_mesh(ctx: RunContext, parallelism: Parallelism, *, source: str) -> RunC
         )
     shape = tuple(getattr(resolved, n) for n in names)
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-    if resolved.dp_replicate > 1 and resolved.dp_shard > 1:
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    if resolved.cp > 1 and resolved.dp_shard > 1:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    data = flat_dims(resolved, DATA_DIMS)
+    if len(data) > 1:
+        mesh[data]._flatten("dp")
+    shard = flat_dims(resolved, SHARD_DIMS)
+    if len(shard) > 1 and shard_mesh_name(resolved) != "dp":
+        mesh[shard]._flatten("_".join(shard))
     if resolved.pp > 1 and len(names) > 2:
         mesh[names[1:]]._flatten("stage")
     return dataclasses.replace(ctx, parallelism=resolved, mesh=mesh, sources=sources)

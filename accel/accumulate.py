@@ -119,7 +119,18 @@ def accumulate(
         yield False
 
 
-def _labels(batch: Any) -> torch.Tensor:
+def _labels(batch: Any, *, sequence_parallel: bool = False) -> torch.Tensor:
+    if sequence_parallel:  # a slice cannot shift its labels: count the globally shifted ones
+        labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
+        if isinstance(labels, torch.Tensor):
+            return labels
+        raise ValueError(
+            "num_items_in_batch: shift=True under sequence parallelism (sp > 1) counts the "
+            "'shift_labels' that shard_loader adds to dict batches with 'labels' (a slice of "
+            "the sequence cannot shift its own labels), and this batch "
+            f"({type(batch).__name__}) has none. Pass shard_loader's dict batches, or the "
+            "already-shifted targets with shift=False."
+        )
     if isinstance(batch, torch.Tensor):
         return batch
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
@@ -146,13 +157,18 @@ def num_items_in_batch(
     - `shift=False`: the labels are the targets as given (already shifted inputs/targets
       pairs, classification, masked LM, seq2seq decoder labels).
 
+    Under sequence parallelism (sp > 1) each sp rank holds a slice of the labels and the count
+    sums the slices too; `shift=True` then counts the "shift_labels" `shard_loader` added
+    (shifted over the whole sequence). Gradients are averaged over dp x sp ranks, hence the
+    `ctx.sp_size` below (1 without sequence parallelism).
+
     Labels equal to `ignore_index` are not counted. For a loss that is the mean over every
     scored token of the global batch under accumulation and data parallelism, sum the
     per-token loss and scale it so DDP's average over ranks and `scaled_backward`'s division
     by `grad_accum_steps` cancel::
 
         n = num_items_in_batch(ctx, window, shift=True)
-        scale = ctx.dp_size * ctx.grad_accum_steps / n
+        scale = ctx.dp_size * ctx.sp_size * ctx.grad_accum_steps / n
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                reduction="sum") * scale
 
@@ -183,16 +199,22 @@ def num_items_in_batch(
     >>> num_items_in_batch(RunContext.single(), [{"labels": labels}], shift=False)
     5
     """
-    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same labels
     count = torch.zeros((), dtype=torch.int64)
     for batch in batches:
-        labels = _labels(batch)
-        if shift:
+        labels = _labels(batch, sequence_parallel=shift and ctx.sp_size > 1)
+        if shift and ctx.sp_size == 1:
             labels = labels[..., 1:]
         count += labels.ne(ignore_index).sum().cpu()
+    # tensor- and context-parallel peers hold the same labels; sp peers each hold a slice
+    for dim in ("sp", "dp") if ctx.sp_size > 1 else ("dp",):
+        count = _sum_over(along(ctx, dim), count)
+    return int(count.item())
+
+
+def _sum_over(ctx: RunContext, count: torch.Tensor) -> torch.Tensor:
     if ctx.world_size > 1:
         group = require_group(ctx, "num_items_in_batch")
         count = count.to(comm_device(ctx))
         with named_collective(ctx, "num_items_in_batch"):
             dist.all_reduce(count, group=group)
-    return int(count.item())
+    return count

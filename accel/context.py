@@ -14,7 +14,7 @@ from typing_extensions import Self
 
 from accel._device import default_device
 from accel._options import WrapDefaults
-from accel._parallelism import MESH_DIMS, MeshDim, Parallelism
+from accel._parallelism import DATA_DIMS, MESH_DIMS, MeshDim, Parallelism, slice_mesh
 from accel._typing import Backend, Precision
 
 __all__ = ["Parallelism", "RunContext", "WrapDefaults", "along"]
@@ -228,12 +228,13 @@ class RunContext:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (dp_replicate x dp_shard)."""
+        """This rank's index among the data-parallel ranks (dp_replicate x dp_shard x ep)."""
         return _coordinate(self, "dp")[0]
 
     @property
     def dp_size(self) -> int:
-        """Ranks that see different data; tensor- and context-parallel peers share theirs."""
+        """Ranks that see different data; tensor-, context- and sequence-parallel peers share
+        theirs (sp peers each take a slice of its sequence)."""
         return _coordinate(self, "dp")[1]
 
     @property
@@ -255,6 +256,26 @@ class RunContext:
     def cp_size(self) -> int:
         """Ranks a sequence is split over."""
         return _coordinate(self, "cp")[1]
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence-parallel group: which slice of the sequence."""
+        return _coordinate(self, "sp")[0]
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks a sequence is split over by Ulysses sequence parallelism."""
+        return _coordinate(self, "sp")[1]
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group: which block of the experts it holds."""
+        return _coordinate(self, "ep")[0]
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts of each mixture-of-experts layer are split over."""
+        return _coordinate(self, "ep")[1]
 
     def describe(self) -> str:
         """Return every effective setting, one a line, with where its value came from.
@@ -290,21 +311,21 @@ def _parts_source(ctx: RunContext, name: str) -> str:
     return ", ".join(dict.fromkeys(ctx.sources[n] for n in _WRAP_FIELDS if n in ctx.sources))
 
 
-def _sizes(ctx: RunContext) -> tuple[int, int, int, int, int]:
+def _sizes(ctx: RunContext) -> tuple[int, ...]:
     if ctx.parallelism is None:
-        return (1, ctx.world_size, 1, 1, 1)
+        return Parallelism(dp_replicate=ctx.world_size).sizes
     return ctx.parallelism.sizes
 
 
 def _coordinate(ctx: RunContext, dim: str) -> tuple[int, int]:
     """(index along `dim`, size of `dim`) for ctx.rank, row-major over the mesh dimensions."""
     sizes = _sizes(ctx)
-    if dim == "dp":
-        (rep, rep_n), (shard, shard_n) = (
-            _coordinate(ctx, "dp_replicate"),
-            _coordinate(ctx, "dp_shard"),
-        )
-        return rep * shard_n + shard, rep_n * shard_n
+    if dim == "dp":  # row-major over the data dimensions
+        rank, size = 0, 1
+        for name in DATA_DIMS:
+            index, n = _coordinate(ctx, name)
+            rank, size = rank * n + index, size * n
+        return rank, size
     axis = MESH_DIMS.index(dim)
     inner = 1
     for size in sizes[axis + 1 :]:
@@ -314,11 +335,11 @@ def _coordinate(ctx: RunContext, dim: str) -> tuple[int, int]:
 
 def _submesh(ctx: RunContext, dim: str) -> Any:
     key = dim
-    if dim == "dp":  # flattened only when both parts are > 1; otherwise it is the one that is
-        rep, shard = _sizes(ctx)[1:3]
-        key = "dp" if rep > 1 and shard > 1 else ("dp_shard" if shard > 1 else "dp_replicate")
+    if dim == "dp":  # flattened only when two parts are > 1; otherwise it is the one that is
+        parts = [n for n in DATA_DIMS if _coordinate(ctx, n)[1] > 1]
+        key = "dp" if len(parts) > 1 else parts[0]
     try:
-        return ctx.mesh[key]
+        return slice_mesh(ctx.mesh, ctx.parallelism or Parallelism(), (key,))
     except (KeyError, RuntimeError) as err:
         raise RuntimeError(
             f"along: dim={dim!r} (size {_coordinate(ctx, dim)[1]}) has no group in the "
@@ -334,7 +355,7 @@ def along(ctx: RunContext, dim: MeshDim) -> RunContext:
     index along `dim` and the size of `dim`; its `process_group` is that dimension's group, so
     every collective works on it unchanged: `accel.reduce(along(ctx, "dp"), loss, op="mean")`
     averages over the ranks that saw different data. Dimensions: "pp", "dp" (dp_replicate x
-    dp_shard), "dp_replicate", "dp_shard", "cp", "tp".
+    dp_shard x ep), "dp_replicate", "dp_shard", "ep", "cp", "sp", "tp".
 
     Args:
         ctx: a context, from `init_distributed(parallelism=...)` when collectives will run on

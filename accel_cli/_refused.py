@@ -35,10 +35,9 @@ REFUSED: dict[str, str] = {
         "to the CPU is not implemented"
     ),
     **{
-        f"parallelism_config_{name}": "accel's mesh has no context- or sequence-parallel "
-        "backend choice (cp_backend, sp_*)"
-        for name in ("cp_backend", "sp_attn_implementation", "sp_backend", "sp_seq_length",
-                     "sp_seq_length_is_variable", "sp_size")
+        f"parallelism_config_{name}": "accel's mesh has no context-parallel backend choice "
+        "(cp_backend)"
+        for name in ("cp_backend",)
     },
     **{
         f"megatron_lm_{name}": _MEGATRON

@@ -141,6 +141,101 @@ def reference(data: torch.Tensor, *, lr: float, max_norm: float) -> dict[str, An
     }
 
 
+# ---- a mixture-of-experts Llama for expert parallelism (tests/dist/test_expert_parallel_dist.py)
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts, weights stacked on dim 0, called as transformers' experts
+    modules are: `(tokens, top_k_index, top_k_weights) -> weighted sum of each token's k`."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim) / math.sqrt(dim))
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) / math.sqrt(dim))
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(index == e)
+            w = {"w1": self.w1[e], "w2": self.w2[e], "w3": self.w3[e]}
+            out.index_add_(0, token, swiglu_expert(self, w, x[token]) * weights[token, slot, None])
+        return out
+
+
+def swiglu_expert(module: nn.Module, w: Any, x: torch.Tensor) -> torch.Tensor:
+    """One expert of `GroupedExperts` (its `ep_plan` style)."""
+    return F.linear(F.silu(F.linear(x, w["w1"])) * F.linear(x, w["w3"]), w["w2"])
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(flat, index, weights).view_as(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, num_experts: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.moe = MoE(dim, 2 * dim, num_experts, top_k=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoELlama(Llama):
+    """The Llama-style model with a 4-expert top-2 MoE in place of each feed-forward."""
+
+    def __init__(
+        self, num_experts: int = 4, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS,
+        layers: int = LAYERS,
+    ) -> None:  # fmt: skip
+        super().__init__(vocab, dim, heads, layers)
+        self.layers = nn.ModuleList([MoEBlock(dim, heads, num_experts) for _ in range(layers)])
+
+
+EP_PLAN = {"layers.*.moe.experts": swiglu_expert}
+
+
+def sgd_reference(
+    model: nn.Module, batches: Any, loss_of: Any, *, lr: float, max_norm: float
+) -> dict[str, Any]:
+    """One process, SGD with momentum 0.9 and clipping: each step's loss and gradient norm, the
+    first step's gradients and the final parameters (the sp / ep tests' reference)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, norms, grads = [], [], None
+    for batch in batches:
+        loss = loss_of(model, batch)
+        loss.backward()
+        if grads is None:
+            grads = {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest |a - b| of any tensor, relative to that tensor's largest |b|."""
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in a)
+
+
 # ---- GPT-2 and Llama, named as transformers names them ---------------------------------------
 
 

@@ -165,9 +165,29 @@ def test_activation_checkpointing_travels_to_the_workers_and_into_the_context() 
             r"fsdp_config has unknown key 'fsdp_wrap_everything'",
         ),
         (
-            {"parallelism_config": {"parallelism_config_sp_size": 2}},
+            {"parallelism_config": {"parallelism_config_sp_ulysses": 2}},
             ValueError,
-            r"unknown key 'parallelism_config_sp_size'",
+            r"unknown key 'parallelism_config_sp_ulysses'",
+        ),
+        (
+            {
+                "parallelism_config": {
+                    "parallelism_config_sp_size": 2,
+                    "parallelism_config_sp_attn_implementation": "eager",
+                }
+            },
+            NotImplementedError,
+            r"sp_attn_implementation='eager'",
+        ),
+        (
+            {
+                "parallelism_config": {
+                    "parallelism_config_sp_size": 2,
+                    "parallelism_config_sp_seq_length": 7,
+                }
+            },
+            ValueError,
+            r"sp_seq_length=7 is not divisible by parallelism_config_sp_size=2",
         ),
         (
             {"parallelism_config": {"parallelism_config_cp_comm_strategy": "alltoall"}},
@@ -206,6 +226,19 @@ def test_each_setting_accel_cannot_honour_is_refused_by_name(
 ) -> None:
     with pytest.raises(error, match=match):
         parse_config({"distributed_type": "FSDP", "num_processes": 2, **section})
+
+
+def test_accelerates_sequence_parallel_keys_become_the_sp_size() -> None:
+    config = {"distributed_type": "FSDP", "num_processes": 4, "parallelism_config": {
+        "parallelism_config_dp_shard_size": 2, "parallelism_config_sp_size": 2,
+        "parallelism_config_sp_backend": "deepspeed", "parallelism_config_sp_seq_length": 256,
+        "parallelism_config_sp_seq_length_is_variable": True,
+        "parallelism_config_sp_attn_implementation": "sdpa"}}  # fmt: skip
+    assert config_settings(parse_config(config), "file")["parallelism"][0] == Parallelism(
+        dp_shard=2, sp=2
+    )
+    env = {"ACCEL_SP_SIZE": "2", "ACCEL_EP_SIZE": "2"}
+    assert env_settings(env)["parallelism"][0] == Parallelism(sp=2, ep=2)
 
 
 def test_fsdp_config_without_distributed_type_fsdp_is_refused() -> None:

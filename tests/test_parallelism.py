@@ -65,8 +65,22 @@ def test_sizes_that_do_not_multiply_to_the_world_are_refused() -> None:
 
 
 def test_along_refuses_an_unknown_dimension() -> None:
-    with pytest.raises(ValueError, match=r"dim='ep' is not a mesh dimension"):
-        along(RunContext(), "ep")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dim='expert' is not a mesh dimension"):
+        along(RunContext(), "expert")  # type: ignore[arg-type]
+
+
+def test_sp_and_ep_coordinates_are_row_major_in_mesh_order() -> None:
+    # mesh order pp, dp_replicate, dp_shard, ep, cp, sp, tp: sp inside, tp innermost
+    p = Parallelism(dp_shard=2, ep=2, sp=2, tp=2)
+    for rank in range(16):
+        ctx = RunContext(rank=rank, world_size=16, parallelism=p)
+        tp, sp, ep, shard = rank % 2, rank // 2 % 2, rank // 4 % 2, rank // 8
+        assert (ctx.tp_rank, ctx.sp_rank, ctx.ep_rank) == (tp, sp, ep)
+        assert (ctx.dp_rank, ctx.dp_size) == (shard * 2 + ep, 4)  # ep ranks see their own data
+        assert (ctx.sp_size, ctx.ep_size) == (2, 2)
+        assert along(ctx, "sp").rank == sp and along(ctx, "ep").world_size == 2
+    assert repr(Parallelism(tp=2)) == "Parallelism(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)"
+    assert repr(Parallelism(sp=2)).endswith("tp=1, sp=2)")
 
 
 def test_describe_shows_the_parallelism_and_its_source() -> None:

@@ -10,6 +10,7 @@ PUBLIC_API = [
     "Config",
     "DDPOptions",
     "DeepSpeedOptions",
+    "ExpertParallel",
     "FSDPOptions",
     "Float8Options",
     "JSONLTracker",

@@ -19,7 +19,7 @@ def _parse(argv: list[str]) -> object:
      "mpirun_hostfile"), (["--mpirun_ccl", "2"], "mpirun_ccl"), (["-q"], "quiet"),
      (["--tpu"], "tpu"), (["--role", "w"], "role"),
      (["--megatron_lm_tp_degree", "2"], "megatron_lm_tp_degree"),
-     (["--parallelism_config_sp_size", "2"], "parallelism_config_sp_size")],
+     (["--parallelism_config_cp_backend", "torch"], "parallelism_config_cp_backend")],
 )  # fmt: skip
 def test_an_accelerate_flag_accel_cannot_honour_is_refused_by_name(
     flags: list[str], name: str, capsys: pytest.CaptureFixture[str]

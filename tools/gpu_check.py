@@ -128,6 +128,10 @@ def plan(dry_run: bool, work: Path, out: Path) -> list[Part]:
         cwd = work / name.removesuffix(".py")
         parts.append(Part(f"example: {name}", [py, *LAUNCH, str(ROOT / "examples" / name), *args],
                           lim(60, 300), True, "output", expect=expect, cwd=cwd))  # fmt: skip
+    parts.append(Part("sp=1 step unchanged: hand / accel / Ulysses",
+                      [py, "tools/gpu_parts.py", "ulysses", "--steps", "10" if gpu else "2",
+                       "--json", str(work / "ulysses.json")], lim(90, 300), False, "json",
+                      result=work / "ulysses.json"))  # fmt: skip
     parts.append(Part("README loop", [py, *LAUNCH, str(work / "readme_loop.py")], lim(60, 300),
                       True, "output", expect=r"(?m)^-?\d+\.\d+(e-?\d+)?$",
                       cwd=work / "readme"))  # fmt: skip

@@ -8,6 +8,7 @@ does not hold. On a machine without CUDA (the dry run) each runs on the CPU at t
     python tools/gpu_parts.py gpt2 --json gpt2.json       # by hand / accel / Accelerate
     python tools/gpu_parts.py offload --json offload.json  # dispatch_checkpoint, item 5
     python tools/gpu_parts.py estimate --json estimate.json  # estimate_memory vs the allocator
+    python tools/gpu_parts.py ulysses --json ulysses.json  # sp=1 path unchanged in speed
 """
 
 from __future__ import annotations
@@ -343,9 +344,67 @@ def _cuda_overheads(allocated: int) -> dict[str, Any]:
             "nccl_one_rank_bytes": nccl, "device_total": total}  # fmt: skip
 
 
+def check_ulysses(steps: int) -> dict[str, Any]:
+    """One GPU: a Llama-style training step by hand, through wrap_model at sp=1 (which must
+    install nothing: same speed), and with its attention under Ulysses over a one-rank group
+    (the all-to-alls are copies: the cost of the machinery itself). bf16 autocast, AdamW."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import accel
+    from accel.parallel._ulysses import ulysses
+    from tests.models import lm_loss, make_model
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    sizes = {"vocab": 8192, "dim": 1024, "heads": 16, "layers": 8} if gpu else {}
+    batch, seq = (8, 1024) if gpu else (2, 16)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        ctx = accel.RunContext.single(device=device, precision="bf16")
+        tokens = torch.randint(0, sizes.get("vocab", 32), (batch, seq + 1), device=device)
+        models = {"hand": make_model(**sizes).to(device),
+                  "accel sp=1": accel.wrap_model(ctx, make_model(**sizes)),
+                  "ulysses, one rank": make_model(**sizes).to(device)}  # fmt: skip
+        if any("forward" in vars(m) for m in models["accel sp=1"].modules()):
+            raise CheckFailed("wrap_model at sp=1 replaced a module's forward")
+        for i, block in enumerate(models["ulysses, one rank"].layers):
+            ulysses(block.attention, f"layers.{i}.attention", dist.group.WORLD, 1)
+        optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        times: dict[str, list[float]] = {k: [] for k in models}
+        losses: dict[str, float] = {}
+        for step in range(steps + 2):  # two warm-up steps
+            for name in models if step % 2 else reversed(list(models)):
+                if gpu:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = lm_loss(models[name], tokens)
+                loss.backward()
+                optimizers[name].step()
+                optimizers[name].zero_grad()
+                losses[name] = loss.item()  # syncs
+                if step >= 2:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+    best = {k: min(v) for k, v in times.items()}
+    figures = {"device": str(device), "sizes": sizes or "tests.models defaults",
+               "batch_x_seq": [batch, seq], "steps": steps,
+               "best_s": best, "losses_last_step": losses,
+               "accel_sp1_over_hand": best["accel sp=1"] / best["hand"],
+               "ulysses_one_rank_over_hand": best["ulysses, one rank"] / best["hand"]}  # fmt: skip
+    if gpu and figures["accel_sp1_over_hand"] > 1.02:
+        raise CheckFailed(f"the sp=1 step is slower than by hand: {figures}")
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("init", "gpt2", "offload", "estimate"))
+    parser.add_argument("part", choices=("init", "gpt2", "offload", "estimate", "ulysses"))
     parser.add_argument("--json", type=Path, help="where the figures go")
     parser.add_argument("--spelling", default="str:cpu", help="init: kind:value, or bad-index")
     parser.add_argument("--steps", type=int, default=8, help="gpt2: optimizer steps (8)")
@@ -357,6 +416,8 @@ def main() -> int:
             figures = check_gpt2(args.steps)
         elif args.part == "estimate":
             figures = check_estimate()
+        elif args.part == "ulysses":
+            figures = check_ulysses(args.steps)
         else:
             figures = check_offload()
     except CheckFailed as err:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from accel._tree import flatten, unflatten
-from accel.collectives import gather_leaves, gather_object, gather_parts, pad_tensor
+from accel.collectives import gather, gather_leaves, gather_object, gather_parts, pad_tensor
 from accel.context import RunContext, along
 from accel.data._loader import ShardedLoader
 from accel.data._shard_plan import ShardBatch, ShardPlan
@@ -50,6 +50,12 @@ def shard_loader(
     `shard`) is read by the workers of every rank, each (rank, worker) reading only its part;
     with `dispatch_batches=True` rank 0 reads it and sends every rank its batch; any other is
     read whole by every rank, each keeping its slice (`describe()` says which, and why).
+    Under sequence parallelism (`ctx.sp_size > 1`) the sp peers of a data-parallel rank take
+    the same batch and each keeps its slice of the sequence: dim 1 of every tensor of 2+ dims,
+    cut in sp equal parts (a length sp does not divide is refused); a dict batch gains global
+    "position_ids" (beside "input_ids") and "shift_labels" (beside "labels": the next-token
+    targets shifted over the whole sequence, as transformers' causal LM loss takes them) before
+    the cut.
 
     Args:
         ctx: the run context; its rank and world size pick the batches, and `ctx.device` is
@@ -137,6 +143,11 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     loader=loader)` for each round it lacks, and contributes nothing (docs/data.md shows the
     loop).
 
+    Under sequence parallelism (sp > 1) the sequence slices of every tensor of two or more
+    dimensions are joined back along dim 1 first (the cut `shard_loader` made), so whole
+    sequences are returned; tensors of fewer dimensions are taken as the sp peers hold them
+    (one value per sample, the same on each peer).
+
     Rows that are not one per sample (Accelerate's no_trainer scripts gather
     `loss.repeat(per_device_eval_batch_size)` per batch) follow Accelerate's rule: every rank's
     rows are concatenated in rank order and kept whole, except in the last round when it is
@@ -188,7 +199,9 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
             "not yielded by its current pass and its layout does not apply; pass loader= the "
             "ShardedLoader the loop iterates (e.g. loader=eval_loader), inside that loop."
         )
-    ctx = along(ctx, "dp")  # tensor- and context-parallel peers hold the same samples
+    if ctx.sp_size > 1 and not loader.pass_ended:
+        tree = _join_sequence(ctx, tree)
+    ctx = along(ctx, "dp")  # tensor-, context- and sequence-parallel peers hold the same samples
     if loader.pass_ended:  # past this rank's last batch: others are in a round it has no part in
         return _join_without_batch(ctx, tree, loader)
     layout = loader.layout
@@ -234,6 +247,20 @@ def gather_for_metrics(ctx: RunContext, tree: Any, *, loader: ShardedLoader) -> 
     hint = "Every rank must pass leaves of the same structure, dtypes and shapes."
     everyone = gather_leaves(ctx, fn, leaves, treedef, hint)  # shapes agree, so does per_sample
     return unflatten(treedef, [g[:keep] for g in everyone])
+
+
+def _join_sequence(ctx: RunContext, tree: Any) -> Any:
+    """Sequence-parallel peers' slices joined back into whole sequences: every tensor of 2+
+    dims (what `shard_loader` cut along dim 1) is gathered over sp and joined along dim 1."""
+    leaves, treedef = flatten(tree)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return tree  # Python objects per sample: the sp peers hold the same samples
+    sp = along(ctx, "sp")
+    cut = [i for i, leaf in enumerate(leaves) if leaf.dim() >= 2]
+    joined = gather(sp, [leaves[i].transpose(0, 1).contiguous() for i in cut])
+    for i, whole in zip(cut, joined, strict=True):
+        leaves[i] = whole.transpose(0, 1)
+    return unflatten(treedef, leaves)
 
 
 def _round_samples(plan: ShardPlan, layout: Layout) -> int | None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accel._tree import send_to_device
 from accel.context import RunContext, along
+from accel.data._sequence import split_sequence
 from accel.data._shard_plan import ShardPlan
 from accel.data._source import BatchSource, Layout, MapSource
 from accel.data._stream import open_stream
@@ -94,6 +95,7 @@ class ShardedLoader:
         host = ctx.device == torch.device("cpu")
         self._device = ctx.device if device_placement and not host else None
         self._non_blocking = non_blocking
+        self._sp = (ctx.sp_rank, ctx.sp_size)  # sequence-parallel peers take slices of a batch
         self._seed = seed
         self.epoch = 0
         self.position = 0  # batches yielded in this epoch
@@ -142,6 +144,8 @@ class ShardedLoader:
                 self.position += 1
                 if self._device is not None:
                     batch = send_to_device(batch, self._device, non_blocking=self._non_blocking)
+                if self._sp[1] > 1:
+                    batch = split_sequence(batch, *self._sp)
                 if self.position == total:
                     # The last batch: the pass is complete even if nobody asks for the next one
                     # (Accelerate's recipe takes exactly len(loader) batches with next()).

@@ -15,8 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._options import CompileMode, FSDPOptions
 from accel.context import RunContext
-from accel.parallel import _float8, _fsdp, _start, _tp
+from accel.parallel import _experts, _float8, _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions, apply_ddp
+from accel.parallel._experts import ExpertParallel
 from accel.parallel._float8 import Float8Options
 from accel.parallel._fsdp import REPLACED
 from accel.parallel._pipeline import PipelineStages, pipeline_stages, pipeline_step
@@ -32,6 +33,7 @@ from accel.parallel.deepspeed import DeepSpeedOptions, deepspeed_engine
 
 __all__ = [
     "DDPOptions",
+    "ExpertParallel",
     "FSDPOptions",
     "Float8Options",
     "PipelineStages",
@@ -55,6 +57,8 @@ def wrap_model(
     activation_checkpointing: bool | tuple[type[nn.Module] | str, ...] | None = None,
     fp8: Float8Options | None = None,
     deepspeed: DeepSpeedOptions | None = None,
+    sp_plan: Literal["auto"] | tuple[str, ...] | None = None,
+    ep_plan: Literal["auto"] | Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Move `model` to `ctx.device` and parallelize it for training; use the return value.
 
@@ -63,12 +67,23 @@ def wrap_model(
     > 1), else DDP over dp_replicate when > 1, else device placement only. Without a
     `Parallelism` every rank is a replica (DDP). "none", "ddp" and "fsdp2" force one wrapper.
 
+    With sp > 1 (Ulysses sequence parallelism), the attention modules `sp_plan` names run
+    their `scaled_dot_product_attention` over the whole sequence for heads / sp of the heads
+    (an all-to-all before and after), and FSDP2 shards over dp_shard x sp, since sp ranks hold
+    the same parameters.
+
+    With ep > 1 (expert parallelism), each experts module `ep_plan` names keeps
+    num_experts / ep of its experts on each ep rank (DTensors sharded on dim 0) and sends each
+    routed token to the rank holding its expert and back (all-to-alls); FSDP2 shards the
+    experts' weights over dp_shard only, and the other parameters over dp_shard x ep.
+
     Every argument is validated into a plan first; then the steps run in torch's order: place
-    on the device, agree on the initial weights, tensor parallel, activation checkpointing,
-    regional compile, FSDP2 (or DDP), whole-model compile. Under tensor parallelism and FSDP2,
-    ranks whose initial weights differ (a per-rank seed) all start from rank 0's, as DDP's
-    broadcast gives (checking costs one small all-reduce). A model built under
-    `init_empty_weights` stays on meta, sharded, for `load_checkpoint_in_model` to fill.
+    on the device, agree on the initial weights, tensor parallel, sequence parallel,
+    activation checkpointing, regional compile, FSDP2 (or DDP), whole-model compile. Under
+    tensor parallelism and FSDP2, ranks whose initial weights differ (a per-rank seed) all
+    start from rank 0's, as DDP's broadcast gives (checking costs one small all-reduce). A
+    model built under `init_empty_weights` stays on meta, sharded, for
+    `load_checkpoint_in_model` to fill.
     Create the optimizer from the returned model's parameters: tensor parallel and FSDP2
     replace them (in place: `unwrap_model` returns your module).
 
@@ -95,6 +110,17 @@ def wrap_model(
         deepspeed: with strategy="deepspeed", the DeepSpeed config and your optimizer
             (`DeepSpeedOptions`); the returned model is the DeepSpeed engine, and
             `accumulate`, `optimizer_step` and `clip_grad_norm_` route to it.
+        sp_plan: with sp > 1, the attention modules that call
+            `scaled_dot_product_attention` on (batch, heads, seq, head_dim) tensors: a tuple
+            of module-name patterns ('*' is one name segment), or "auto" for transformers'
+            Llama, Mistral, Mixtral, GPT-2 and Qwen attention classes (attn_implementation
+            "sdpa").
+        ep_plan: with ep > 1, the experts modules (`num_experts` weights stacked on dim 0,
+            an attribute `num_experts`, called as
+            `experts(tokens, top_k_index, top_k_weights)`): a dict of module-name pattern ->
+            "gate_up_down" (transformers' layout), a function `fn(module, weights, tokens)`
+            computing one expert, or `ExpertParallel(expert_fn=..., capacity_factor=...)`; or
+            "auto" for transformers' Mixtral and Qwen-MoE experts.
 
     Returns:
         The model to train: the module itself (strategy "none", tensor parallel or FSDP2, all
@@ -105,13 +131,15 @@ def wrap_model(
         ValueError: for an unknown `strategy`, a model that is already wrapped, options for
             another strategy, a strategy or plan that contradicts `ctx.parallelism`, a tp plan
             that is empty or names no module, a tp size not dividing a split dimension, a layer
-            or block class matching nothing, a meta model under DDP, or "fsdp2" without a
-            process group.
+            or block class matching nothing, a meta model under DDP, "fsdp2" without a
+            process group, or (sp, ep) a missing plan, a pattern naming nothing, heads or
+            experts the size does not divide.
         TypeError: for a `model` that is not an `nn.Module`, a `tp_plan` that is not a dict of
             str patterns, or an `activation_checkpointing` of another type.
         NotImplementedError: for DDP combined with tensor parallelism, offload_params on a
-            CPU run, context parallelism (cp > 1) off CUDA, or (fp8) a tp style torchao has no
-            float8 twin of.
+            CPU run, context parallelism (cp > 1) off CUDA, (fp8) a tp style torchao has no
+            float8 twin of, sp with cp, ep with pp, cp, sp or tp, compile with sp or ep, or a
+            transformers attention Ulysses cannot wrap (not sdpa, sliding window).
         ImportError: for ctx.precision="fp8" without torchao (the `fp8` extra).
         RuntimeError: for "ddp" when no process group is initialised, or a split world
             without a DeviceMesh.
@@ -132,7 +160,9 @@ def wrap_model(
             f"wrap_model: the model is already wrapped by {wrapped_by}; wrap the original module "
             "once (accel.unwrap_model(model) returns it)."
         )
-    ds = deepspeed_plan(ctx, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8)
+    ds = deepspeed_plan(
+        ctx, strategy, deepspeed, fsdp, ddp, tp_plan, compile, fp8, sp_plan, ep_plan
+    )
     if ds is not None:
         from accel.parallel import _deepspeed  # on use: it imports deepspeed
 
@@ -146,6 +176,8 @@ def wrap_model(
         ddp=ddp,
         compile=compile,
         activation_checkpointing=activation_checkpointing,
+        sp_plan=sp_plan,
+        ep_plan=ep_plan,
     )
     fp8_plan, plan = _float8.plan_float8(ctx, model, fp8, plan)
     return _apply(ctx, model, plan, fp8_plan)
@@ -165,13 +197,26 @@ def _apply(
         _float8.convert(model, fp8_plan)
     if plan.tp_styles is not None:
         _tp.apply_tp(model, plan.tp_mesh, dict(plan.tp_styles))
+    for name, module in plan.sp_modules:  # before checkpointing: recomputation runs it too
+        _ulysses.ulysses(module, name, plan.sp_group, ctx.sp_size)
+    for _, module, style in plan.ep_modules:
+        _experts.shard_experts(module, plan.ep_mesh)
+        _experts.dispatch(module, style, plan.ep_mesh.get_group(), ctx.ep_size, ctx.device)
     _fsdp.checkpoint_activations(list(plan.checkpointed))
     for block in plan.compiled:  # regional: each block in place, one graph reused per block
         block.compile(dynamic=plan.compile_dynamic)
     wrapped = model
     if plan.data == "fsdp2":
+        # Experts first, in a unit of their own over the data ranks that are not ep (never
+        # over ep twice); with none, the other units leave their weights out.
+        ignored: set[nn.Parameter] = set()
+        for _, module, _ in plan.ep_modules:
+            if plan.ep_fsdp_mesh is not None:
+                _fsdp.apply_fsdp2(ctx, module, plan.fsdp, plan.ep_fsdp_mesh, layers=[])
+            else:
+                ignored.update(module.parameters())
         wrapped = _fsdp.apply_fsdp2(
-            ctx, model, plan.fsdp, plan.fsdp_mesh, layers=list(plan.fsdp_layers)
+            ctx, model, plan.fsdp, plan.fsdp_mesh, layers=list(plan.fsdp_layers), ignored=ignored
         )
     elif plan.data == "ddp":
         wrapped = apply_ddp(ctx, model, plan.ddp, group=plan.ddp_group)

@@ -119,8 +119,10 @@ def apply_fsdp2(
     mesh: DeviceMesh,
     *,
     layers: list[nn.Module],
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Shard each layer module, then the root, over `mesh` (1-D FSDP, 2-D HSDP)."""
+    """Shard each layer module, then the root, over `mesh` (1-D FSDP, 2-D HSDP); `ignored`
+    parameters stay as they are (expert weights split over ep and nothing else)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     shard: Any = functools.partial(
@@ -129,6 +131,7 @@ def apply_fsdp2(
         reshard_after_forward=options.reshard_after_forward,
         mp_policy=mixed_precision(ctx, options),
         offload_policy=CPUOffloadPolicy() if options.offload_params else OffloadPolicy(),
+        ignored_params=ignored or None,
     )
     for layer in layers:
         shard(layer)

@@ -18,11 +18,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._groups import require_group
-from accel._mesh import check_cp
+from accel._mesh import check_cp, shard_mesh_name
 from accel._options import CompileMode, FSDPOptions, check_compile
-from accel._parallelism import Parallelism
-from accel.context import RunContext
-from accel.parallel import _fsdp, _start, _tp
+from accel._parallelism import Parallelism, slice_mesh
+from accel.context import RunContext, along
+from accel.parallel import _experts, _fsdp, _start, _tp, _ulysses
 from accel.parallel._ddp import DDPOptions
 from accel.parallel.deepspeed import DeepSpeedOptions
 
@@ -42,6 +42,17 @@ class WrapPlan:
     """Module name -> torch ParallelStyle; None without tensor parallelism."""
     tp_mesh: Any
     """The 1-D tensor-parallel mesh (None without tensor parallelism)."""
+    sp_modules: tuple[tuple[str, nn.Module], ...] = ()
+    """(name, module) of each attention module Ulysses wraps (empty without sp)."""
+    sp_group: Any = None
+    """The sequence-parallel process group (None: the default group, or no sp)."""
+    ep_modules: tuple[tuple[str, nn.Module, _experts.ExpertParallel], ...] = ()
+    """(name, module, style) of each experts module split over ep (empty without ep)."""
+    ep_mesh: Any = None
+    """The 1-D expert-parallel mesh the experts' weights are sharded over."""
+    ep_fsdp_mesh: Any = None
+    """The mesh FSDP2 shards the experts' weights over: the data ranks that are not ep
+    (dp_shard, or (dp_replicate, dp_shard)); None when there are none."""
     agree: Literal["no", "if_different", "always"]
     """Whether rank 0's weights are broadcast before splitting: never, when ranks differ, always."""
     checkpointed: tuple[nn.Module, ...]
@@ -88,6 +99,8 @@ def make_plan(
     ddp: DDPOptions | None,
     compile: CompileMode | None,
     activation_checkpointing: bool | Blocks | None,
+    sp_plan: Any = None,
+    ep_plan: Any = None,
 ) -> WrapPlan:
     """Validate every argument against the context and the model; decide every step. An
     argument that is None takes the launcher's choice, `ctx.wrap`'s."""
@@ -109,6 +122,14 @@ def make_plan(
     if tp:
         raw = _tp.hf_plan(model) if tp_plan == "auto" else tp_plan
         styles = _tp.resolve_plan(model, raw, p.tp)
+    sp_modules = _sp_modules(ctx, model, p, data, sp_plan)
+    ep_modules = _ep_modules(p, model, data, ep_plan)
+    if compile and (sp_modules or ep_modules):
+        raise NotImplementedError(
+            f"wrap_model: compile={compile!r} with sp={p.sp}, ep={p.ep}: the all-to-alls "
+            "around attention and the experts' dispatcher have not been verified under "
+            "torch.compile; use compile=False with sequence or expert parallelism."
+        )
     layers = _fsdp.layer_modules(model, options.layer_classes) if options.layer_classes else []
     blocks = layers or _fsdp.repeated_blocks(model)
     checkpointed = _checkpointed(model, activation_checkpointing, blocks)
@@ -139,6 +160,11 @@ def make_plan(
         data=data,
         tp_styles=styles,
         tp_mesh=mesh_dim(ctx, "tp") if tp else None,
+        sp_modules=sp_modules,
+        sp_group=along(ctx, "sp").process_group if sp_modules else None,
+        ep_modules=ep_modules,
+        ep_mesh=mesh_dim(ctx, "ep") if ep_modules else None,
+        ep_fsdp_mesh=_ep_fsdp_mesh(ctx, p) if ep_modules else None,
         agree=agree,
         checkpointed=tuple(checkpointed),
         compiled=tuple(blocks) if compile == "regional" else (),
@@ -157,7 +183,8 @@ def deepspeed_plan(
 ) -> DeepSpeedOptions | None:
     """The options DeepSpeed's engine is built from (its config the launcher's when none is
     given), or None when wrap_model applies no DeepSpeed; `others` are the options of the
-    other strategies (fsdp=, ddp=, tp_plan=, compile=, fp8=), refused beside DeepSpeed."""
+    other strategies (fsdp=, ddp=, tp_plan=, compile=, fp8=, sp_plan=, ep_plan=), refused
+    beside DeepSpeed."""
     if strategy == "auto" and ctx.wrap.deepspeed is not None:
         strategy = "deepspeed"  # the launcher asked for DeepSpeed (distributed_type DEEPSPEED)
     if strategy != "deepspeed" and (options is None or options.config is None):
@@ -177,8 +204,15 @@ def deepspeed_plan(
         )
     if any(o is not None for o in others):
         raise ValueError(
-            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile= or fp8= "
-            "options (the DeepSpeed config says how the engine shards); drop them."
+            "wrap_model: strategy='deepspeed' takes no fsdp=, ddp=, tp_plan=, compile=, fp8=, "
+            "sp_plan= or ep_plan= options (the DeepSpeed config says how the engine shards); "
+            "drop them."
+        )
+    if ctx.sp_size > 1 or ctx.ep_size > 1:
+        raise NotImplementedError(
+            f"wrap_model: strategy='deepspeed' with ctx.parallelism={ctx.parallelism}; accel's "
+            "sequence (sp) and expert (ep) parallelism compose with FSDP2, not with DeepSpeed's "
+            "engine. Use sp=1 and ep=1 with DeepSpeed, or strategy='auto' (FSDP2)."
         )
     if options.config is not None:
         return options
@@ -200,7 +234,7 @@ def _choose(
             f"wrap_model: strategy={strategy!r} is not one of {get_args(WrapStrategy)}; "
             "use 'auto' to follow ctx.parallelism."
         )
-    sharded = p.dp_shard > 1 or p.cp > 1
+    sharded = shard_mesh_name(p) is not None  # dp_shard, ep, cp or sp > 1
     data: Data
     if strategy == "auto":
         data = "fsdp2" if sharded else ("ddp" if p.dp_replicate > 1 else "none")
@@ -267,6 +301,82 @@ def _choose(
     return data, tp
 
 
+def _sp_modules(
+    ctx: RunContext, model: nn.Module, p: Parallelism, data: Data, sp_plan: Any
+) -> tuple[tuple[str, nn.Module], ...]:
+    """The attention modules Ulysses wraps; refuse a plan without sp, sp without a plan."""
+    if p.sp == 1:
+        if sp_plan is not None:
+            raise ValueError(
+                f"wrap_model: sp_plan was given but ctx.parallelism={p} has sp=1 (nothing to "
+                "split); build the context with Parallelism(sp=...), or drop sp_plan."
+            )
+        return ()
+    if sp_plan is None:
+        raise ValueError(
+            f"wrap_model: ctx.parallelism has sp={p.sp} but sp_plan=None; name the attention "
+            "modules whose scaled_dot_product_attention Ulysses wraps, e.g. "
+            "sp_plan=('layers.*.attention',), or sp_plan='auto' for a transformers model."
+        )
+    if p.cp > 1:
+        # torch's context_parallel rewrites the same SDPA call into ring attention; with the
+        # all-to-alls around it (sp inside, cp outside) the two have not been run together on
+        # CUDA here, so the pair is refused rather than trusted.
+        raise NotImplementedError(
+            f"wrap_model: sp={p.sp} with cp={p.cp} is not supported yet (Ulysses inside ring "
+            "attention has not been verified on CUDA); use one of them: fold the cp ranks into "
+            "sp (any device), or sp=1."
+        )
+    if data != "fsdp2":
+        raise ValueError(
+            f"wrap_model: sp={p.sp} needs FSDP2 over the ranks holding replicated parameters "
+            f"(their gradients are reduced over sp too), and the strategy applies {data!r}. "
+            "Use strategy='auto'."
+        )
+    names = _ulysses.resolve_plan(model, sp_plan, sp=p.sp, tp=p.tp)
+    modules = dict(model.named_modules())
+    return tuple((name, modules[name]) for name in names)
+
+
+def _ep_modules(
+    p: Parallelism, model: nn.Module, data: Data, ep_plan: Any
+) -> tuple[tuple[str, nn.Module, _experts.ExpertParallel], ...]:
+    """The experts modules split over ep; refuse a plan without ep, ep without a plan."""
+    if p.ep == 1:
+        if ep_plan is not None:
+            raise ValueError(
+                f"wrap_model: ep_plan was given but ctx.parallelism={p} has ep=1 (nothing to "
+                "split); build the context with Parallelism(ep=...), or drop ep_plan."
+            )
+        return ()
+    if ep_plan is None:
+        raise ValueError(
+            f"wrap_model: ctx.parallelism has ep={p.ep} but ep_plan=None; name the experts "
+            "modules to split, e.g. ep_plan={'layers.*.moe.experts': my_expert_fn}, or "
+            "ep_plan='auto' for transformers' Mixtral / Qwen-MoE experts."
+        )
+    others = [f"{n}={getattr(p, n)}" for n in ("pp", "cp", "sp", "tp") if getattr(p, n) > 1]
+    if others:
+        raise NotImplementedError(
+            f"wrap_model: ep={p.ep} with {', '.join(others)} is not supported: accel's expert "
+            "parallelism composes with dp_shard and dp_replicate (the data dimensions). Fold "
+            "those ranks into dp_shard, or use ep=1."
+        )
+    if data != "fsdp2":
+        raise ValueError(
+            f"wrap_model: ep={p.ep} needs FSDP2 over the ranks holding the replicated (non-expert) "
+            f"parameters, and the strategy applies {data!r}. Use strategy='auto'."
+        )
+    modules = dict(model.named_modules())
+    return tuple((n, modules[n], style) for n, style in _experts.resolve_plan(model, ep_plan, p.ep))
+
+
+def _ep_fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
+    """The data ranks that are not ep: FSDP2 shards expert weights over them, never over ep."""
+    dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(p, n) > 1)
+    return mesh_dim(ctx, *dims) if dims else None
+
+
 def _checkpointed(
     model: nn.Module, value: bool | Blocks, blocks: list[nn.Module]
 ) -> list[nn.Module]:
@@ -303,7 +413,7 @@ def mesh_dim(ctx: RunContext, *names: str) -> Any:
             f"wrap_model: ctx.parallelism={ctx.parallelism} splits the world but the context "
             "has no DeviceMesh; build it with accel.init_distributed(parallelism=...)."
         )
-    return ctx.mesh[names if len(names) > 1 else names[0]]
+    return slice_mesh(ctx.mesh, ctx.parallelism or Parallelism(), names)
 
 
 def agree_group(ctx: RunContext) -> Any:
@@ -324,9 +434,11 @@ def _ddp_group(ctx: RunContext) -> Any:
 
 
 def _fsdp_mesh(ctx: RunContext, p: Parallelism) -> Any:
-    if ctx.parallelism is None or (ctx.mesh is None and p.dp_shard * p.cp == ctx.world_size):
+    across = p.dp_shard * p.ep * p.cp * p.sp
+    if ctx.parallelism is None or (ctx.mesh is None and across == ctx.world_size):
         return _fsdp.world_mesh(ctx)  # sharding over the whole group needs no mesh of ours
-    shard = "dp_shard_cp" if p.cp > 1 and p.dp_shard > 1 else ("cp" if p.cp > 1 else "dp_shard")
+    shard = shard_mesh_name(p)
+    assert shard is not None  # data == "fsdp2" shards over something
     if p.dp_replicate > 1:
         return mesh_dim(ctx, "dp_replicate", shard)  # HSDP: replicate outer, shard inner
     return mesh_dim(ctx, shard)

@@ -67,6 +67,20 @@ def _matches(pattern: str, name: str) -> bool:
     )
 
 
+def named_by(model: nn.Module, plan: str, pattern: str, example: str) -> list[str]:
+    """The module names `pattern` matches ('*' is one name segment); raise when none, naming
+    `plan` (the argument) and an `example` pattern. tp_plan, sp_plan and ep_plan share it."""
+    names = [n for n, _ in model.named_modules() if n and _matches(pattern, n)]
+    if not names:
+        sample = [n for n, _ in model.named_modules() if n][:8]
+        raise ValueError(
+            f"wrap_model: {plan} pattern {pattern!r} names no module of "
+            f"{type(model).__name__}; module names look like {sample}. Fix the pattern "
+            f"('*' stands for one name segment, e.g. {example!r})."
+        )
+    return names
+
+
 def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> dict[str, Any]:
     """Expand `plan`'s patterns to module names with torch styles; validate names and sizes."""
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -81,14 +95,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> dic
                 f"expected one of {_STYLES} or a torch ParallelStyle (e.g. "
                 "torch.distributed.tensor.parallel.SequenceParallel())."
             )
-        names = [n for n in modules if n and _matches(pattern, n)]
-        if not names:
-            sample = [n for n in modules if n][:8]
-            raise ValueError(
-                f"wrap_model: tp_plan pattern {pattern!r} names no module of "
-                f"{type(model).__name__}; module names look like {sample}. Fix the pattern "
-                "('*' stands for one name segment, e.g. 'layers.*.attention.wq')."
-            )
+        names = named_by(model, "tp_plan", pattern, "layers.*.attention.wq")
         for name in names:
             if name in resolved:
                 raise ValueError(
