@@ -48,6 +48,7 @@ class ExpertParallel:
     """How `wrap_model` runs one experts module under expert parallelism (an `ep_plan` value).
 
     Example:
+        >>> from accel import ExpertParallel
         >>> ExpertParallel(capacity_factor=1.25).capacity_factor
         1.25
     """
