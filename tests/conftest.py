@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 from tests.env_guard import leaked
 
+# The S3-compatible server (one per session) and its per-test bucket, for the object-storage tests.
+pytest_plugins = ["tests.s3_server"]
+
 PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
 
 

@@ -23,6 +23,11 @@ from torch import nn
 from accel._dtensor import has_dtensors
 from accel._groups import every_rank_step
 from accel._size import parse_size
+from accel._store.exports import fetch_export, publish_export
+from accel._store.staging import named_as, new_folder, transfer_folder
+from accel._store.staging import remove as remove_folder
+from accel._store.transfer import listing
+from accel._store.urls import Remote, locate
 from accel.checkpoint import _atomic
 from accel.checkpoint._deepspeed_state import engine_state, engines_as_state
 from accel.checkpoint._model_io import (
@@ -32,6 +37,8 @@ from accel.checkpoint._model_io import (
     write_model_files,
 )
 from accel.checkpoint._model_load import load_into
+from accel.checkpoint._remote import committed_steps, load_remote
+from accel.checkpoint._remote import rotate as remote_rotate
 from accel.checkpoint._saving import CheckpointHandle, group_of, start_save
 from accel.checkpoint._sharded_save import save_sharded
 from accel.checkpoint._state_io import PerRank, load
@@ -114,8 +121,12 @@ def save_model(
     """
     fn = "save_model"
     _check_model(fn, model)
-    directory = _atomic.as_folder(fn, "directory", directory)
+    where = locate(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
+    if isinstance(where, Remote):
+        _save_model_to_store(ctx, model, where, max_bytes, full_state_dict)
+        return
+    directory = _atomic.as_folder(fn, "directory", where)
     inner = unwrap_model(model)
     engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
     state = inner.state_dict() if engine is None else engine_state(engine)
@@ -138,6 +149,28 @@ def save_model(
             write_model_files(Path(directory), state, max_bytes)
 
     every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
+
+
+def _save_model_to_store(
+    ctx: RunContext, model: nn.Module, where: Remote, max_bytes: int, full_state_dict: bool
+) -> None:
+    """`save_model` to a store: written into a local folder (rank 0's, which the ranks of its
+    machine share), then uploaded by rank 0 with the manifest last (`publish_export`)."""
+    fn = "save_model"
+
+    def make() -> str | None:  # the store is asked first: a missing bucket costs no write
+        if not ctx.is_main:
+            return None
+        listing(fn, where)
+        return str(new_folder("upload"))
+
+    folder = Path(str(every_rank_step(ctx, fn, make)[0]))
+    try:
+        save_model(ctx, model, folder, max_shard_size=max_bytes, full_state_dict=full_state_dict)
+        every_rank_step(ctx, fn, lambda: publish_export(fn, folder, where) if ctx.is_main else None)
+    finally:
+        if ctx.is_main:
+            remove_folder(folder)
 
 
 def _check_model(fn: str, model: object) -> None:
@@ -204,7 +237,12 @@ def load_checkpoint_in_model(
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device) if device is not None else None
-    return LoadResult(*load_into(fn, unwrap_model(model), checkpoint, device, strict))
+    where = locate(fn, "checkpoint", checkpoint)
+    if not isinstance(where, Remote):
+        return LoadResult(*load_into(fn, unwrap_model(model), where, device, strict))
+    with transfer_folder("download") as folder, named_as(folder, where.url):
+        local = fetch_export(fn, where, folder)  # each rank its own copy, checked
+        return LoadResult(*load_into(fn, unwrap_model(model), local, device, strict))
 
 
 # ---------------------------------------------------------------------------------- state
@@ -269,7 +307,8 @@ def save_state(
         ['model', 'optimizer']
     """
     fn = "save_state"
-    start_save(fn, ctx, Path(directory), _objects(fn, state, objects), info={}, blocking=True)
+    target = locate(fn, "directory", directory)
+    start_save(fn, ctx, target, _objects(fn, state, objects), info={}, blocking=True)
 
 
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
@@ -335,7 +374,11 @@ def load_state(
     """
 
     fn = "load_state"
-    return load(fn, ctx, Path(directory), _objects(fn, state, objects), group_of(ctx, fn))
+    target = locate(fn, "directory", directory)
+    loaded = _objects(fn, state, objects)
+    if isinstance(target, Remote):
+        return load_remote(fn, ctx, target, loaded, group_of(ctx, fn))
+    return load(fn, ctx, target, loaded, group_of(ctx, fn))
 
 
 def save_checkpoint(
@@ -389,11 +432,16 @@ def save_checkpoint(
         raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
-    root_path = _atomic.as_folder(fn, "root", root)
-    final = root_path / f"step-{step}"
-    _atomic.check_target(fn, final)
-    root_path.mkdir(parents=True, exist_ok=True)
-    after_publish = None if keep is None else partial(rotate, root_path, keep, step)
+    where = locate(fn, "root", root)
+    if isinstance(where, Remote):
+        final: Path | Remote = where.child(f"step-{step}")
+        after_publish = None if keep is None else partial(remote_rotate, fn, where, keep, step)
+    else:
+        root_path = _atomic.as_folder(fn, "root", where)
+        final = root_path / f"step-{step}"
+        _atomic.check_target(fn, final)
+        root_path.mkdir(parents=True, exist_ok=True)
+        after_publish = None if keep is None else partial(rotate, root_path, keep, step)
     return start_save(
         fn,
         ctx,
@@ -402,10 +450,11 @@ def save_checkpoint(
         info={"step": step},
         blocking=blocking,
         after_publish=after_publish,
+        numbered=True,
     )
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | str | None:
     """Find the newest complete `root/step-<n>` checkpoint (manifest present, sizes match).
 
     Checksums are not read here; `load_state` verifies them.
@@ -425,5 +474,10 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    complete = complete_steps(_atomic.as_folder("latest_checkpoint", "root", root))
+    fn = "latest_checkpoint"
+    where = locate(fn, "root", root)
+    if isinstance(where, Remote):
+        committed = committed_steps(fn, where, newest_only=True)
+        return committed[-1][1].url if committed else None
+    complete = complete_steps(_atomic.as_folder(fn, "root", where))
     return complete[-1][1] if complete else None

@@ -172,6 +172,18 @@ def check_target(fn: str, final: Path) -> bool:
     )
 
 
+def manifest_bytes(entries: dict[str, list[int]], info: dict[str, Any]) -> bytes:
+    """The manifest of a checkpoint of the files `entries` (rel -> [size, crc32]) and `info`."""
+    manifest = {
+        "format": FORMAT,
+        "accel_version": __version__,
+        "torch_version": torch.__version__,
+        **info,
+        "files": dict(sorted(entries.items())),
+    }
+    return json.dumps(manifest, indent=1).encode()
+
+
 def publish(
     fn: str,
     staging: Path,
@@ -187,14 +199,7 @@ def publish(
     after. Without it the rename never replaces a published checkpoint (a directory holding
     files cannot be renamed over): a second writer of the same name gets FileExistsError.
     """
-    manifest = {
-        "format": FORMAT,
-        "accel_version": __version__,
-        "torch_version": torch.__version__,
-        **info,
-        "files": dict(sorted(entries.items())),
-    }
-    write_bytes(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_bytes(staging / MANIFEST, manifest_bytes(entries, info))
     for sub in sorted({p.parent for p in staging.rglob("*")} | {staging}, reverse=True):
         fsync_path(sub)
     old = sibling(final, "old")

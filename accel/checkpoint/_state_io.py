@@ -188,6 +188,20 @@ def _grad_stem(name: str, rank: int) -> str:
 
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     """Write, fsync, and leave a marker listing (size, crc32) of each file written."""
+    entries = write_files(staging, files, durable=True)
+    marker = staging / f".rank{rank}.done"
+    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
+    # manifest rank 0 writes from it is what must be durable.
+    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
+    marker.with_suffix(".tmp").rename(marker)
+
+
+def write_files(staging: Path, files: Files, *, durable: bool) -> dict[str, list[int]]:
+    """Write `files` under `staging` (fsynced when `durable`); return each one's [size, crc32].
+
+    Not `durable`: a staging folder an upload reads from at once, where the store's copy is
+    the durable one.
+    """
     entries: dict[str, list[int]] = {}
     pending: dict[str, PendingWrite] = {}
     written = []
@@ -203,16 +217,12 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
                 _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
             )
             written += [path, staging / f"{stem}.json"]
-        for path in written:
+        for path in written if durable else ():
             fsync_path(path)
     finally:  # collect every checksum, also to end their threads when a write failed
         sums = {rel: list(p.result()) for rel, p in pending.items()}
     entries.update(sums)
-    marker = staging / f".rank{rank}.done"
-    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
-    # manifest rank 0 writes from it is what must be durable.
-    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
-    marker.with_suffix(".tmp").rename(marker)
+    return entries
 
 
 def _mkdirs_below(staging: Path, relative: Path) -> None:
