@@ -12,16 +12,11 @@ import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
-from pathlib import Path
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 
-from accel._store.exports import fetch_export
-from accel._store.staging import named_as, transfer_folder
-from accel._store.urls import Remote, locate
 from accel._typing import as_dtype
 from accel.big_model import _device_map as dm
 from accel.big_model import _planner, _table
@@ -232,7 +227,9 @@ def dispatch_checkpoint(
 
     Args:
         model: a model built under `init_empty_weights` (or a real one, overwritten).
-        checkpoint: a .safetensors file, a sharded index .json, or a folder holding either.
+        checkpoint: a .safetensors file, a sharded index .json, or a folder holding either; or
+            the URL of one in a store (s3://, gs://: downloaded first, into `offload_dir` when
+            given, which weights placed on "disk" then read).
         device_map: a strategy of `infer_device_map` ("sequential", "balanced",
             "balanced_low_0"; "auto" is "balanced", as in Accelerate), or module/tensor name ->
             device. Any module may be named, containers never called themselves (an
@@ -275,79 +272,42 @@ def dispatch_checkpoint(
     _dispatch.check_unhooked(fn, model)
     torch_dtype = as_dtype(fn, "dtype", dtype)  # a cast target: floating only
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
-    where = locate(fn, "checkpoint", checkpoint)
-    dispatch = partial(
-        _dispatch_files, model, device_map=device_map, max_memory=max_memory,
-        no_split=no_split, folder=folder, torch_dtype=torch_dtype, strict=strict,
-    )  # fmt: skip
-    if not isinstance(where, Remote):
-        return dispatch(where, disk=True)
-    if folder is not None:  # weights placed on "disk" are read from these files as it runs
-        (folder / "checkpoint").mkdir(exist_ok=True)
-        with named_as(folder / "checkpoint", where.url):
-            return dispatch(fetch_export(fn, where, folder / "checkpoint"), disk=True)
-    with transfer_folder("download") as scratch, named_as(scratch, where.url):
-        return dispatch(fetch_export(fn, where, scratch), disk=False)
-
-
-def _dispatch_files(
-    model: nn.Module,
-    checkpoint: str | os.PathLike[str],
-    *,
-    device_map: Literal["auto"] | DeviceMapStrategy | Mapping[str, Device],
-    max_memory: Mapping[Device, int | str] | None,
-    no_split: Iterable[str | type],
-    folder: Path | None,
-    torch_dtype: torch.dtype | None,
-    strict: bool,
-    disk: bool,
-) -> nn.Module:
-    """`dispatch_checkpoint` of local files; `disk=False`: they are removed after the call, so
-    no weight may be left on "disk" reading them."""
-    from accel.big_model import _dispatch
-
-    fn = "dispatch_checkpoint"
-    entries = _dispatch.checkpoint_entries(fn, checkpoint)
-    layout = _dispatch.Layout(model)
-    _dispatch.check_keys(fn, layout, entries, strict)
-    budgets: dict[Device, int] | None = None  # a planned map's: where offloaded modules run
-    layers: frozenset[str] | None = None  # a planned map's: offloaded modules hook per layer
-    if isinstance(device_map, str):
-        strategy = "balanced" if device_map == "auto" else device_map
-        if strategy not in get_args(DeviceMapStrategy):
-            raise ValueError(
-                f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
-                f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
+    # A URL is downloaded first (its "disk" weights then need offload_dir to stay readable).
+    with _dispatch.local_files(fn, checkpoint, folder) as (local, disk_ok):
+        entries = _dispatch.checkpoint_entries(fn, local)
+        layout = _dispatch.Layout(model)
+        _dispatch.check_keys(fn, layout, entries, strict)
+        budgets: dict[Device, int] | None = None  # a planned map's: where offloaded modules run
+        layers: frozenset[str] | None = None  # a planned map's: offloaded modules hook per layer
+        if isinstance(device_map, str):
+            strategy = "balanced" if device_map == "auto" else device_map
+            if strategy not in get_args(DeviceMapStrategy):
+                raise ValueError(
+                    f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
+                    f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
+                )
+            budgets = dm.budgets(fn, max_memory)
+            layers = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
+            device_map = infer_device_map(
+                model, max_memory=budgets, no_split=layers, dtype=torch_dtype, strategy=strategy
             )
-        budgets = dm.budgets(fn, max_memory)
-        layers = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
-        device_map = infer_device_map(
-            model, max_memory=budgets, no_split=layers, dtype=torch_dtype, strategy=strategy
-        )
-    elif not isinstance(device_map, Mapping):
-        raise TypeError(
-            f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
-        )
-    elif max_memory is not None or no_split:
-        warnings.warn(
-            f"{fn}: max_memory and no_split only shape a planned device_map; they are ignored "
-            "with the device_map you passed.",
-            stacklevel=2,
-        )
-    placement = layout.place(fn, device_map)
-    on_disk = sorted(name for name, device in placement.items() if device == "disk")
-    if on_disk and not disk:
-        raise ValueError(
-            f"{fn}: device_map places {on_disk[:3]} ({len(on_disk)}) on 'disk', whose weights "
-            "are read from the checkpoint's files while the model runs, but the checkpoint is "
-            "in a store and its downloaded files go once the call returns. Pass offload_dir= "
-            "to keep them there."
-        )
-    execution = _dispatch.execution_device(device_map, budgets)
-    sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
-    _dispatch.hook(model, layout, device_map, sources, execution, layers)
-    object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
-    return model
+        elif not isinstance(device_map, Mapping):
+            raise TypeError(
+                f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
+            )
+        elif max_memory is not None or no_split:
+            warnings.warn(
+                f"{fn}: max_memory and no_split only shape a planned device_map; they are ignored "
+                "with the device_map you passed.",
+                stacklevel=2,
+            )
+        placement = layout.place(fn, device_map)
+        _dispatch.check_disk(fn, placement, disk_ok)
+        execution = _dispatch.execution_device(device_map, budgets)
+        sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
+        _dispatch.hook(model, layout, device_map, sources, execution, layers)
+        object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
+        return model
 
 
 def describe_device_map(

@@ -20,32 +20,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from accel._dtensor import has_dtensors
-from accel._groups import every_rank_step
 from accel._size import parse_size
-from accel._store.exports import fetch_export, publish_export
-from accel._store.staging import named_as, new_folder, transfer_folder
-from accel._store.staging import remove as remove_folder
-from accel._store.transfer import listing
+from accel._store.exports import fetch_export
+from accel._store.staging import named_as, transfer_folder
 from accel._store.urls import Remote, locate
 from accel.checkpoint import _atomic
-from accel.checkpoint._deepspeed_state import engine_state, engines_as_state
-from accel.checkpoint._model_io import (
-    dedupe_tied,
-    file_layout,
-    publish_model_files,
-    write_model_files,
-)
+from accel.checkpoint._deepspeed_state import engines_as_state
+from accel.checkpoint._exporting import export, export_to_store
 from accel.checkpoint._model_load import load_into
 from accel.checkpoint._remote import committed_steps, load_remote
 from accel.checkpoint._remote import rotate as remote_rotate
 from accel.checkpoint._saving import CheckpointHandle, group_of, start_save
-from accel.checkpoint._sharded_save import save_sharded
 from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = [
     "CheckpointHandle",
@@ -124,53 +113,9 @@ def save_model(
     where = locate(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
     if isinstance(where, Remote):
-        _save_model_to_store(ctx, model, where, max_bytes, full_state_dict)
-        return
-    directory = _atomic.as_folder(fn, "directory", where)
-    inner = unwrap_model(model)
-    engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
-    state = inner.state_dict() if engine is None else engine_state(engine)
-    if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
-        tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
-        publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
-        save_sharded(ctx, Path(directory), file_layout(tensors, max_bytes), publish)
-        return
-    if has_dtensors(state.values()):
-        from torch.distributed.checkpoint.state_dict import (  # on use: ~1 s to import
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(inner, options=options)
-
-    def write() -> None:
-        if ctx.is_main:
-            write_model_files(Path(directory), state, max_bytes)
-
-    every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
-
-
-def _save_model_to_store(
-    ctx: RunContext, model: nn.Module, where: Remote, max_bytes: int, full_state_dict: bool
-) -> None:
-    """`save_model` to a store: written into a local folder (rank 0's, which the ranks of its
-    machine share), then uploaded by rank 0 with the manifest last (`publish_export`)."""
-    fn = "save_model"
-
-    def make() -> str | None:  # the store is asked first: a missing bucket costs no write
-        if not ctx.is_main:
-            return None
-        listing(fn, where)
-        return str(new_folder("upload"))
-
-    folder = Path(str(every_rank_step(ctx, fn, make)[0]))
-    try:
-        save_model(ctx, model, folder, max_shard_size=max_bytes, full_state_dict=full_state_dict)
-        every_rank_step(ctx, fn, lambda: publish_export(fn, folder, where) if ctx.is_main else None)
-    finally:
-        if ctx.is_main:
-            remove_folder(folder)
+        export_to_store(ctx, model, where, max_bytes, full_state_dict)
+    else:
+        export(ctx, model, _atomic.as_folder(fn, "directory", where), max_bytes, full_state_dict)
 
 
 def _check_model(fn: str, model: object) -> None:
