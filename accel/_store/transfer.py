@@ -367,7 +367,7 @@ def get_bytes(fn: str, remote: Remote, rel: str) -> bytes | None:
 
 def listing(fn: str, remote: Remote) -> dict[str, int]:
     """Every object below `remote`, as relative path -> size ({} for an empty prefix)."""
-    remote.fs.invalidate_cache(remote.path)
+    remote.fs.invalidate_cache()  # all of it: s3fs drops a path's parents, not its children
     try:
         found = retried(fn, remote.url, lambda: remote.fs.find(remote.path, detail=True))
     except FileNotFoundError as err:

@@ -119,13 +119,35 @@ def committed_steps(
 ) -> list[tuple[int, Remote, dict[str, Any]]]:
     """The committed `step-<n>` checkpoints of `root` as (n, prefix, manifest), oldest first:
     a manifest, and every file it lists present with its size. `newest_only`: stop at the
-    newest one (one manifest read when it is whole)."""
-    found = []
+    newest one (one manifest read when it is whole).
+
+    A writer may commit step n+1 and rotate step n away between the listing and the reads: a
+    listed manifest that is gone when read makes the listing stale, and it is taken again.
+    """
+    found: list[tuple[int, Remote, dict[str, Any]]] = []
+    for _ in range(_RESCANS):
+        found, stale = _scan(fn, root, newest_only)
+        if not stale:
+            break
+        time.sleep(0.05)
+    return sorted(found, key=lambda item: item[0])
+
+
+_RESCANS = 20
+
+
+def _scan(
+    fn: str, root: Remote, newest_only: bool
+) -> tuple[list[tuple[int, Remote, dict[str, Any]]], bool]:
+    found: list[tuple[int, Remote, dict[str, Any]]] = []
     for step, objects in sorted(_steps(listing(fn, root)).items(), reverse=True):
         if MANIFEST not in objects:
             continue
         prefix = root.child(f"step-{step}")
-        manifest = _parsed(get_bytes(fn, prefix, MANIFEST)) or {}
+        data = get_bytes(fn, prefix, MANIFEST)
+        if data is None:
+            return found, True  # deleted since the listing
+        manifest = _parsed(data) or {}
         files = manifest.get("files")
         if not isinstance(files, dict) or any(
             objects.get(rel) != entry[0] for rel, entry in files.items()
@@ -134,7 +156,7 @@ def committed_steps(
         found.append((step, prefix, manifest))
         if newest_only:
             break
-    return sorted(found, key=lambda item: item[0])
+    return found, False
 
 
 def _parsed(data: bytes | None) -> dict[str, Any] | None:
