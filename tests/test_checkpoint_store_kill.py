@@ -11,49 +11,20 @@ uploads left: no half-written step, no record, remains.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import random
-import signal
-import time
-import warnings
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import accel
 from accel import RunContext
+from tests.processes import kill_while_busy
+from tests.test_checkpoint_kill import _model, _saver, latest_loads_exactly
 from tests.test_checkpoint_store import _objects
 
 CTX = RunContext.single()
 TRIALS = 20
 pytestmark = pytest.mark.slow
-
-
-def _model(value: float) -> nn.Module:
-    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))  # about 1 MB
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return model
-
-
-def _saver(root: str, first_step: int, blocking: bool, ready: Any) -> None:
-    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork: never touch it
-    model = _model(0.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    accel.latest_checkpoint(root)  # the store's client is made before the kills start
-    step = first_step
-    ready.set()
-    while True:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float(step))
-        accel.save_checkpoint(CTX, root, {"model": model, "optimizer": opt}, step=step,
-                              keep=1, blocking=blocking)  # fmt: skip
-        step += 1
 
 
 def _committed(s3: str) -> set[str]:
@@ -67,30 +38,13 @@ def test_sigkill_during_uploads_always_leaves_a_committed_latest(s3: str) -> Non
     # the forks, each child's takes no time and the kills land during its saves.
     torch.optim.SGD(_model(0.0).parameters(), lr=0.1)
     rng = random.Random(0)
-    fork = mp.get_context("fork")  # torch is imported already: each child starts at once
     next_step = 1
     latest_steps = []
     for trial in range(TRIALS):
         before = _committed(s3)
-        ready = fork.Event()
-        child = fork.Process(target=_saver, args=(root, next_step, trial % 2 == 0, ready))
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns about forking a process with threads (torch's pool, the
-            # store client's event loop); the child touches neither before it makes its own.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            child.start()
-        assert ready.wait(timeout=60)
-        time.sleep(rng.uniform(0.0, 0.4))  # a save takes tens of milliseconds: many in flight
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        assert child.exitcode == -signal.SIGKILL
-        latest = accel.latest_checkpoint(root)
-        assert latest is not None
-        step = int(latest.rsplit("step-", 1)[1])
-        model = _model(-1.0)
-        manifest = accel.load_state(CTX, latest, model=model)  # checks every checksum
-        assert manifest["step"] == step
-        assert all(bool((p == float(step)).all()) for p in model.parameters())
+        # a save takes tens of milliseconds here: most kills land during its uploads
+        kill_while_busy(_saver, (root, next_step, trial % 2 == 0), rng.uniform(0.0, 0.4))
+        step = latest_loads_exactly(root)
         # Nothing lost: what was committed before is still committed, unless a newer commit
         # made rotation (keep=1) delete it.
         after = _committed(s3)

@@ -21,7 +21,15 @@ from typing import Any
 from accel._safetensors.exports import OWN_FILES
 from accel._safetensors.files import INDEX_NAME, SINGLE_NAME
 from accel._safetensors.manifests import MANIFEST
-from accel._store.transfer import download, get_bytes, listing, put_bytes, remove, upload
+from accel._store.transfer import (
+    download,
+    file_blob,
+    get_bytes,
+    listing,
+    put_bytes,
+    remove,
+    upload,
+)
 from accel._store.urls import Remote
 
 
@@ -96,7 +104,7 @@ def publish_export(fn: str, folder: Path, remote: Remote) -> None:
     first, the files uploaded and checked, the manifest last, the old export's other files
     removed (only names an export writes)."""
     manifest = json.loads((folder / MANIFEST).read_bytes())
-    files = {name: (folder / name, size, crc) for name, (size, crc) in manifest["files"].items()}
+    files = {n: file_blob(folder / n, size, crc) for n, (size, crc) in manifest["files"].items()}
     before = listing(fn, remote)
     remove(fn, remote, [MANIFEST] if MANIFEST in before else [])
     upload(fn, remote, files)

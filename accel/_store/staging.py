@@ -25,11 +25,16 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"accel-(?:upload|download)-(?P<host>[\w-]*)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
-def _host() -> str:
+def host_name() -> str:
+    """This machine's name as accel writes it into the names of its temporary files."""
     return re.sub(r"[^\w-]", "_", socket.gethostname())
 
 
-def _gone(pid: int) -> bool:
+def writer_gone(host: str, pid: int) -> bool:
+    """True when the process `pid` of machine `host` that named a temporary file is known to
+    be gone (on another machine it may be alive: never)."""
+    if host != host_name():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -47,7 +52,7 @@ def sweep(parent: Path) -> None:
         return
     for path in entries:
         match = _NAME.fullmatch(path.name)
-        if match and match["host"] == _host() and _gone(int(match["pid"])):
+        if match and writer_gone(match["host"], int(match["pid"])):
             logger.debug("removing %s, left by a killed transfer", path)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -56,7 +61,7 @@ def new_folder(kind: str) -> Path:
     """A new, empty folder for one transfer (`kind`: "upload" or "download")."""
     parent = Path(tempfile.gettempdir())
     sweep(parent)
-    path = parent / f"accel-{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = parent / f"accel-{kind}-{host_name()}-{os.getpid()}-{secrets.token_hex(4)}"
     path.mkdir()
     return path
 

@@ -25,9 +25,11 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from accel._safetensors.crc32 import combine, crc32
 from accel._safetensors.header import CorruptFileError
 from accel._safetensors.manifests import checksum_file
 from accel._store.urls import Remote
@@ -150,6 +152,50 @@ def run_all(tasks: Sequence[Callable[[], None]], parallel: int) -> None:
         raise errors[0]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Blob:
+    """The bytes of one object to upload: a local file's, or pieces of memory end to end (a
+    safetensors header and the tensors' own bytes, never copied whole)."""
+
+    size: int
+    """Bytes in all."""
+    crc: int
+    """Their crc32, as the manifest records it."""
+    path: Path | None = None
+    """The local file holding them, or None for `pieces`."""
+    pieces: tuple[memoryview, ...] = ()
+    """The bytes in memory, in order."""
+
+    def read(self, at: int, length: int) -> bytes:
+        """Bytes [at, at + length): one part of a multipart upload."""
+        if self.path is not None:
+            return _read(self.path, at, length)
+        out, pos = [], 0
+        for piece in self.pieces:
+            end = pos + len(piece)
+            if end > at and pos < at + length:
+                out.append(piece[max(at - pos, 0) : min(at + length - pos, len(piece))])
+            pos = end
+            if pos >= at + length:
+                break
+        return b"".join(out)
+
+
+def file_blob(path: Path, size: int, crc: int) -> Blob:
+    """A local file to upload, of `size` bytes with crc32 `crc`."""
+    return Blob(size=size, crc=crc, path=path)
+
+
+def memory_blob(pieces: Sequence[memoryview]) -> Blob:
+    """Pieces of memory to upload as one object; their crc32 computed here (on several
+    threads for large pieces) and combined."""
+    value, size = 0, 0
+    for piece in pieces:
+        value = combine(value, crc32(piece), len(piece))
+        size += len(piece)
+    return Blob(size=size, crc=value, pieces=tuple(pieces))
+
+
 def _is_s3(remote: Remote) -> bool:
     return hasattr(remote.fs, "call_s3") and hasattr(remote.fs, "split_path")
 
@@ -169,21 +215,20 @@ def _read(path: Path, offset: int, size: int) -> bytes:
 def upload(
     fn: str,
     remote: Remote,
-    files: Mapping[str, tuple[Path, int, int]],
+    files: Mapping[str, Blob],
     *,
-    parallel: int = PARALLEL,
+    parallel: int | None = None,
     part: int = PART,
 ) -> None:
-    """Upload each `rel -> (local file, size, crc32)` to `remote/rel`, then check each landed
-    whole (its size and crc32); raise one line naming the URL when one cannot be."""
+    """Upload each `rel -> Blob` to `remote/rel`, then check each landed whole (its size and
+    crc32); raise one line naming the URL when one cannot be. `parallel`: files or parts in
+    flight at once (default `PARALLEL`)."""
+    parallel = parallel or PARALLEL
     if not _is_s3(remote):
-        tasks = [
-            _generic_put(fn, remote, rel, local, size, crc)
-            for rel, (local, size, crc) in files.items()
-        ]
-        run_all(tasks, parallel)
+        run_all([_generic_put(fn, remote, rel, blob, part) for rel, blob in files.items()],
+                parallel)  # fmt: skip
         return
-    big = {rel: f for rel, f in files.items() if f[1] > part}
+    big = {rel: blob for rel, blob in files.items() if blob.size > part}
     uploads: dict[str, str] = {}  # rel -> UploadId
 
     def create(rel: str) -> Callable[[], None]:
@@ -201,14 +246,15 @@ def upload(
         run_all([create(rel) for rel in big], parallel)
         parts: dict[str, list[dict[str, Any]]] = {rel: [] for rel in big}
         tasks = []
-        for rel, (local, size, crc) in files.items():
-            if rel in big:
-                for number, at in enumerate(range(0, size, _part_size(size, part)), start=1):
-                    length = min(_part_size(size, part), size - at)
-                    tasks.append(_put_part(fn, remote, rel, uploads[rel], number, local, at,
-                                           length, parts[rel]))  # fmt: skip
-            else:
-                tasks.append(_put_small(fn, remote, rel, local, size, crc))
+        for rel, blob in files.items():
+            if rel not in big:
+                tasks.append(_put_small(fn, remote, rel, blob))
+                continue
+            step = _part_size(blob.size, part)
+            for number, at in enumerate(range(0, blob.size, step), start=1):
+                length = min(step, blob.size - at)
+                tasks.append(_put_part(fn, remote, rel, uploads[rel], number, blob, at, length,
+                                       parts[rel]))  # fmt: skip
         run_all(tasks, parallel)
         run_all([_complete(fn, remote, rel, uploads[rel], parts[rel], files[rel]) for rel in big],
                 parallel)  # fmt: skip
@@ -222,16 +268,14 @@ def _part_size(size: int, part: int) -> int:
     return max(part, -(-size // 10_000))  # S3 takes at most 10,000 parts
 
 
-def _put_small(
-    fn: str, remote: Remote, rel: str, local: Path, size: int, crc: int
-) -> Callable[[], None]:
+def _put_small(fn: str, remote: Remote, rel: str, blob: Blob) -> Callable[[], None]:
     def task() -> None:
         bucket, key, _ = remote.fs.split_path(remote.key(rel))
-        data = local.read_bytes()
+        data = blob.read(0, blob.size)
         retried(fn, remote.url_of(rel), lambda: remote.fs.call_s3(
             "put_object", Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="CRC32"
         ))  # fmt: skip
-        check_object(fn, remote, rel, size, crc)
+        check_object(fn, remote, rel, blob.size, blob.crc)
 
     return task
 
@@ -242,14 +286,14 @@ def _put_part(
     rel: str,
     upload_id: str,
     number: int,
-    local: Path,
+    blob: Blob,
     at: int,
     length: int,
     done: list[dict[str, Any]],
 ) -> Callable[[], None]:
     def task() -> None:
         bucket, key, _ = remote.fs.split_path(remote.key(rel))
-        data = _read(local, at, length)
+        data = blob.read(at, length)
         sent = retried(fn, remote.url_of(rel), lambda: remote.fs.call_s3(
             "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
             Body=data, ChecksumAlgorithm="CRC32",
@@ -268,7 +312,7 @@ def _complete(
     rel: str,
     upload_id: str,
     parts: list[dict[str, Any]],
-    file: tuple[Path, int, int],
+    blob: Blob,
 ) -> Callable[[], None]:
     def task() -> None:
         bucket, key, _ = remote.fs.split_path(remote.key(rel))
@@ -276,10 +320,10 @@ def _complete(
         # The store checks the whole object's CRC32 against the manifest's (S3: BadDigest).
         retried(fn, remote.url_of(rel), lambda: remote.fs.call_s3(
             "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-            MultipartUpload={"Parts": listed}, ChecksumCRC32=_b64(file[2]),
+            MultipartUpload={"Parts": listed}, ChecksumCRC32=_b64(blob.crc),
             ChecksumType="FULL_OBJECT",
         ))  # fmt: skip
-        check_object(fn, remote, rel, file[1], file[2])
+        check_object(fn, remote, rel, blob.size, blob.crc)
 
     return task
 
@@ -292,12 +336,18 @@ def _abort(remote: Remote, rel: str, upload_id: str) -> None:
         return
 
 
-def _generic_put(
-    fn: str, remote: Remote, rel: str, local: Path, size: int, crc: int
-) -> Callable[[], None]:
+def _generic_put(fn: str, remote: Remote, rel: str, blob: Blob, part: int) -> Callable[[], None]:
+    def put() -> None:
+        if blob.path is not None:
+            remote.fs.put_file(str(blob.path), remote.key(rel))
+            return
+        with remote.fs.open(remote.key(rel), "wb") as f:  # streamed, a part at a time
+            for at in range(0, blob.size, part):
+                f.write(blob.read(at, min(part, blob.size - at)))
+
     def task() -> None:
-        retried(fn, remote.url_of(rel), lambda: remote.fs.put_file(str(local), remote.key(rel)))
-        check_object(fn, remote, rel, size, crc)
+        retried(fn, remote.url_of(rel), put)
+        check_object(fn, remote, rel, blob.size, blob.crc)
 
     return task
 

@@ -17,15 +17,15 @@ from accel._groups import every_rank_step, require_group
 from accel._safetensors.manifests import checksum_file
 from accel._store.staging import new_folder
 from accel._store.staging import remove as remove_folder
-from accel._store.transfer import upload
+from accel._store.transfer import file_blob, upload
 from accel._store.urls import Location, Remote
 from accel.checkpoint import _atomic, _dcp, _remote
 from accel.checkpoint._state_io import (
     Files,
     classify,
+    file_blobs,
     finish,
     snapshot,
-    write_files,
     write_rank_files,
 )
 from accel.context import RunContext
@@ -184,13 +184,13 @@ def _remote_job(
 
     def job() -> None:
         try:
-            entries = write_files(staging, files, durable=False)
+            blobs = file_blobs(files)  # uploaded from memory; DCP's files from the staging
             for path in dcp:
-                entries[path.relative_to(staging).as_posix()] = list(checksum_file(path))
+                blobs[path.relative_to(staging).as_posix()] = file_blob(path, *checksum_file(path))
             if ctx.is_main and replaced is not None:
                 _remote.uncommit(fn, final, replaced)
-            sized = {rel: (staging / rel, size, crc) for rel, (size, crc) in entries.items()}
-            upload(fn, final, sized)
+            upload(fn, final, blobs)
+            entries = {rel: [blob.size, blob.crc] for rel, blob in blobs.items()}
             _remote.finish_rank(fn, final, ctx.rank, entries)
         except BaseException as err:
             _remote.report_failure(fn, final, ctx.rank, err)

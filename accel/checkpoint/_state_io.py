@@ -30,11 +30,18 @@ from accel._dtensor import is_sharded
 from accel._safetensors import manifests
 from accel._safetensors.exports import fsync_path
 from accel._safetensors.files import check_inside
+from accel._store.transfer import Blob, memory_blob
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._deepspeed_state import EngineState
 from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
-from accel.checkpoint._safetensors_io import PendingWrite, read_file, start_write
+from accel.checkpoint._safetensors_io import (
+    PendingWrite,
+    as_bytes,
+    header_bytes,
+    read_file,
+    start_write,
+)
 from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
@@ -188,20 +195,6 @@ def _grad_stem(name: str, rank: int) -> str:
 
 def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     """Write, fsync, and leave a marker listing (size, crc32) of each file written."""
-    entries = write_files(staging, files, durable=True)
-    marker = staging / f".rank{rank}.done"
-    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
-    # manifest rank 0 writes from it is what must be durable.
-    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
-    marker.with_suffix(".tmp").rename(marker)
-
-
-def write_files(staging: Path, files: Files, *, durable: bool) -> dict[str, list[int]]:
-    """Write `files` under `staging` (fsynced when `durable`); return each one's [size, crc32].
-
-    Not `durable`: a staging folder an upload reads from at once, where the store's copy is
-    the durable one.
-    """
     entries: dict[str, list[int]] = {}
     pending: dict[str, PendingWrite] = {}
     written = []
@@ -217,12 +210,28 @@ def write_files(staging: Path, files: Files, *, durable: bool) -> dict[str, list
                 _atomic.write_bytes(staging / f"{stem}.json", skeleton, fsync=False)
             )
             written += [path, staging / f"{stem}.json"]
-        for path in written if durable else ():
+        for path in written:
             fsync_path(path)
     finally:  # collect every checksum, also to end their threads when a write failed
         sums = {rel: list(p.result()) for rel, p in pending.items()}
     entries.update(sums)
-    return entries
+    marker = staging / f".rank{rank}.done"
+    # The marker only tells rank 0 this rank is done (its files are fsynced already); the
+    # manifest rank 0 writes from it is what must be durable.
+    _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
+    marker.with_suffix(".tmp").rename(marker)
+
+
+def file_blobs(files: Files) -> dict[str, Blob]:
+    """The objects a save to a store uploads for `files`, straight from memory: each
+    `<stem>.safetensors` is the header and the tensors' own bytes, as `write_rank_files` writes
+    them, with no local file in between."""
+    blobs = {}
+    for stem, (tensors, skeleton) in files.items():
+        blobs[f"{stem}.json"] = memory_blob([memoryview(skeleton)])
+        pieces = [memoryview(header_bytes(tensors, None)), *map(as_bytes, tensors.values())]
+        blobs[f"{stem}.safetensors"] = memory_blob([p for p in pieces if len(p)])
+    return blobs
 
 
 def _mkdirs_below(staging: Path, relative: Path) -> None:
