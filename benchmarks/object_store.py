@@ -17,9 +17,9 @@ these groups, in an order rotated every round:
   off the tensors, the store asked once), against the blocking save's whole time.
 
 Ratio = by-hand time / accel time (>= 1: accel is faster), from the best round of each, with
-medians and every round printed. A profile of one accel save follows: the CPU seconds the
-client and the server processes spent (from /proc), and the cumulative time of the save's
-phases (cProfile).
+medians and every round printed. Then where the time goes: the CPU seconds the client and the
+server processes spent (from /proc) during one put and during one accel save, and the
+cumulative time of the accel save's phases (cProfile).
 
     python benchmarks/object_store.py              # ~500 MB state, 3 rounds
     python benchmarks/object_store.py --quick      # ~25 MB, a few seconds
@@ -191,7 +191,9 @@ def _run(args: argparse.Namespace, server_pid: int) -> None:
         held.append(h)
         durable.append(d)
     _report(times, held, durable, mb)
-    _profile(save, server_pid)
+    _cpu_of("one put_object", put, server_pid, mb)
+    _cpu_of("one accel save", save, server_pid, mb)
+    _profile(save)
 
 
 def endpoint_of() -> str:
@@ -222,18 +224,23 @@ def _report(times: dict[str, list[float]], held: list[float], durable: list[floa
         print(f"  {name}: {' '.join(f'{t:.2f}' for t in runs)}")
 
 
-def _profile(save: Callable[[], None], server_pid: int) -> None:
+def _cpu_of(name: str, fn: Callable[[], None], server_pid: int, mb: float) -> None:
+    """Where one call's time goes between the two processes: CPU seconds of each."""
     client, server = _cpu_seconds(os.getpid()), _cpu_seconds(server_pid)
+    wall = _timed(fn)
+    client, server = _cpu_seconds(os.getpid()) - client, _cpu_seconds(server_pid) - server
+    print(f"\n{name}: {wall:.2f} s wall; CPU: client {client:.2f} s, server {server:.2f} s "
+          f"({(client + server) / wall:.2f} cores busy of {os.cpu_count()}; the server spends "
+          f"{server / mb * 1000:.1f} ms of CPU per MB)")  # fmt: skip
+
+
+def _profile(save: Callable[[], None]) -> None:
+    """The cumulative time of the phases of one accel save, in the caller's thread."""
     profile = cProfile.Profile()
-    start = time.perf_counter()
     profile.enable()
     save()
     profile.disable()
-    wall = time.perf_counter() - start
-    client, server = _cpu_seconds(os.getpid()) - client, _cpu_seconds(server_pid) - server
-    print(f"\nprofile of one accel save: {wall:.2f} s wall; CPU: client {client:.2f} s, "
-          f"server {server:.2f} s ({(client + server) / wall:.2f} cores busy of "
-          f"{os.cpu_count()})")  # fmt: skip
+    print("\nphases of one accel save (cProfile):")
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out).sort_stats("cumulative")
     phases = ("snapshot", "write_files", "upload", "check_object", "commit", "_dcp_and_snapshot",

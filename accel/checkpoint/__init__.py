@@ -88,7 +88,8 @@ def save_model(
     Args:
         ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
         model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
-        directory: the folder to write into; created if missing.
+        directory: the folder to write into; created if missing. Or a URL (`s3://...`): written
+            locally, then uploaded with the manifest last (docs/checkpoints.md).
         max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
         full_state_dict: gather a sharded model to full weights on every rank and write from
             rank 0; default False (each rank writes its slices).
@@ -153,7 +154,8 @@ def load_checkpoint_in_model(
 
     Args:
         model: the model to fill, wrapped or not; a sharded one takes each rank's slices.
-        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
+        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either;
+            or its URL (`s3://...`), downloaded first and checked against its manifest.
         device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
             model is filled on the CPU, a real one is loaded where its tensors are.
         strict: require the key sets to match; default True (False loads the matching ones).
@@ -220,7 +222,9 @@ def save_state(
     Args:
         ctx: the run context; every rank calls with the same names.
         directory: the folder to create; an existing accel checkpoint is replaced once the new
-            one is done; any other existing folder with files in it is refused.
+            one is done; any other existing folder with files in it is refused. Or a URL of an
+            object store (`s3://bucket/run`, `gs://...`): committed by its manifest, written
+            last (docs/checkpoints.md, "Object storage").
         state: name -> object, e.g. `{"model": model, "optimizer": opt}`; `PerRank(obj)`
             saves every rank's own copy.
         **objects: more objects by name, as keyword arguments.
@@ -292,7 +296,7 @@ def load_state(
 
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
-        directory: a folder written by `save_state` (or `save_checkpoint`).
+        directory: a folder written by `save_state` (or `save_checkpoint`), or its URL.
         state: name -> object to load into, in place, by the names they were saved under (the
             dict given to `save_state` or `save_checkpoint`).
         **objects: more objects by name, as keyword arguments.
@@ -344,7 +348,8 @@ def save_checkpoint(
 
     Args:
         ctx: the run context; call it on every rank.
-        root: the folder of `step-<n>` checkpoints; created if missing.
+        root: the folder of `step-<n>` checkpoints; created if missing. Or a URL
+            (`s3://bucket/run`): each step is committed by its manifest, written last.
         state: name -> object, the same dict `save_state` and `load_state` take.
         step: the training step, an int >= 0, which names the folder.
         keep: how many of the newest complete checkpoints to keep; default None keeps all.
@@ -405,10 +410,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | str | None:
     Checksums are not read here; `load_state` verifies them.
 
     Args:
-        root: the folder `save_checkpoint` writes into; it need not exist.
+        root: the folder `save_checkpoint` writes into; it need not exist. Or its URL.
 
     Returns:
-        The path of the complete checkpoint with the highest step, or None.
+        The path of the complete checkpoint with the highest step (its URL, a str, for a
+        root in a store: only committed steps), or None.
 
     Folders that are incomplete or damaged are skipped (logged at debug level); a `root` that
     does not exist yet gives None, one that is a file raises NotADirectoryError.
