@@ -17,13 +17,13 @@ from accel._groups import every_rank_step, require_group
 from accel._safetensors.manifests import checksum_file
 from accel._store.staging import new_folder
 from accel._store.staging import remove as remove_folder
-from accel._store.transfer import file_blob, upload
+from accel._store.transfer import Blob, file_blob, memory_blob, upload
 from accel._store.urls import Location, Remote
 from accel.checkpoint import _atomic, _dcp, _remote
+from accel.checkpoint._safetensors_io import as_bytes, header_bytes
 from accel.checkpoint._state_io import (
     Files,
     classify,
-    file_blobs,
     finish,
     snapshot,
     write_rank_files,
@@ -201,6 +201,18 @@ def _remote_job(
             _remote.commit(fn, final, ctx.world_size, info, timeout_s, replaced)
 
     return job
+
+
+def file_blobs(files: Files) -> dict[str, Blob]:
+    """The objects a save to a store uploads for `files`, straight from memory: each
+    `<stem>.safetensors` is the header and the tensors' own bytes, as `write_rank_files` writes
+    them, with no local file in between."""
+    blobs = {}
+    for stem, (tensors, skeleton) in files.items():
+        blobs[f"{stem}.json"] = memory_blob([memoryview(skeleton)])
+        pieces = [memoryview(header_bytes(tensors, None)), *map(as_bytes, tensors.values())]
+        blobs[f"{stem}.safetensors"] = memory_blob([p for p in pieces if len(p)])
+    return blobs
 
 
 def _agree_on(ctx: RunContext, fn: str, staging: Path) -> Path:

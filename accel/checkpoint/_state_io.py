@@ -30,18 +30,11 @@ from accel._dtensor import is_sharded
 from accel._safetensors import manifests
 from accel._safetensors.exports import fsync_path
 from accel._safetensors.files import check_inside
-from accel._store.transfer import Blob, memory_blob
 from accel.checkpoint import _atomic, _dcp
 from accel.checkpoint._deepspeed_state import EngineState
 from accel.checkpoint._fsdp_grads import UNSHARDED, restore_window_grads, window_grads
 from accel.checkpoint._model_io import check_against_model, dedupe_tied, load_full_state
-from accel.checkpoint._safetensors_io import (
-    PendingWrite,
-    as_bytes,
-    header_bytes,
-    read_file,
-    start_write,
-)
+from accel.checkpoint._safetensors_io import PendingWrite, read_file, start_write
 from accel.checkpoint._state_codec import decode, encode
 from accel.context import RunContext
 from accel.parallel import unwrap_model
@@ -220,18 +213,6 @@ def write_rank_files(staging: Path, rank: int, files: Files) -> None:
     # manifest rank 0 writes from it is what must be durable.
     _atomic.write_bytes(marker.with_suffix(".tmp"), json.dumps(entries).encode(), fsync=False)
     marker.with_suffix(".tmp").rename(marker)
-
-
-def file_blobs(files: Files) -> dict[str, Blob]:
-    """The objects a save to a store uploads for `files`, straight from memory: each
-    `<stem>.safetensors` is the header and the tensors' own bytes, as `write_rank_files` writes
-    them, with no local file in between."""
-    blobs = {}
-    for stem, (tensors, skeleton) in files.items():
-        blobs[f"{stem}.json"] = memory_blob([memoryview(skeleton)])
-        pieces = [memoryview(header_bytes(tensors, None)), *map(as_bytes, tensors.values())]
-        blobs[f"{stem}.safetensors"] = memory_blob([p for p in pieces if len(p)])
-    return blobs
 
 
 def _mkdirs_below(staging: Path, relative: Path) -> None:
