@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore, Store, rendezvous  # type: ignore[attr-defined]
 
 from accel import config as _config
+from accel._background import wait_for_saves
 from accel._canary import canary_device, stand_for_nccl
 from accel._device import default_device, resolve_device
 from accel._exit import die_with_parent, drain_gloo_workers, register_exit_guard
@@ -285,6 +286,9 @@ def _destroy_default_group() -> None:
 def shutdown(ctx: RunContext) -> None:
     """Destroy the context's process group: the default group unless it names a sub-group.
 
+    First it waits for this process's background checkpoint saves (`save_checkpoint(...,
+    blocking=False)`) and raises the error of one that failed and was not reported yet.
+
     A no-op for a one-process context without a group (`init_distributed` in a plain `python`
     process), for a default group `init_distributed` joined rather than created (Ray Train's:
     its creator destroys it), and when torch has no group initialised any more; a one-rank group
@@ -297,7 +301,10 @@ def shutdown(ctx: RunContext) -> None:
         >>> from accel import init_distributed, shutdown
         >>> shutdown(init_distributed(device="cpu"))
     """
-    release_signals()  # the stop signals init_distributed held get their default action back
+    try:
+        wait_for_saves("shutdown")  # a background checkpoint save finishes, or its error is raised
+    finally:
+        release_signals()  # the stop signals init_distributed held get their default action back
     has_group = ctx.world_size > 1 or ctx.backend is not None or ctx.process_group is not None
     if ctx.process_group is None and ctx.sources.get("process_group") == _JOINED_GROUP:
         return  # made by another framework (Ray Train), which destroys it itself

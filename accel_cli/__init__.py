@@ -348,8 +348,8 @@ def _add_others(commands: Any, argv: Sequence[str]) -> None:
         "tensor parallel), or a DCP folder, and write model.safetensors (or shards and an "
         "index) with an accel manifest, in one process, one tensor in memory at a time.",
     )
-    merge.add_argument("src", help="a save_state directory (or its dcp/ folder)")
-    merge.add_argument("dst", help="the folder to write the safetensors files into")
+    merge.add_argument("src", help="a save_state directory (or its dcp/ folder), or its URL")
+    merge.add_argument("dst", help="the folder (or URL) to write the safetensors files into")
     _add_flag(merge, "model", default=None, help="the name the model was saved under")
     _add_flag(merge, "max_shard_size", default="5GB", help="most bytes per file (default 5GB)")
     _add_flag(

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def alive(pid: int) -> bool:
@@ -53,3 +59,22 @@ def leftovers(pid: int) -> list[int]:
         if not any(helper in command for helper in _SESSION_HELPERS):
             found.append(child)
     return found
+
+
+def kill_while_busy(target: Callable[..., None], args: tuple[Any, ...], delay: float) -> None:
+    """Fork `target(*args, ready)`; once it sets `ready`, let it run `delay` seconds, then
+    SIGKILL and reap it. Forked, as torch is imported already: each child starts at once."""
+    fork = mp.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=target, args=(*args, ready))
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about forking a process with threads (torch's pool, a store
+        # client's event loop); the children here touch neither before making their own.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child.start()
+    assert ready.wait(timeout=60)
+    time.sleep(delay)
+    assert child.pid is not None
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert child.exitcode == -signal.SIGKILL

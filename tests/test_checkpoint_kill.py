@@ -8,12 +8,7 @@ holds the values of the step it is named after.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import random
-import signal
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +18,7 @@ from torch import nn
 
 import accel
 from accel import RunContext
+from tests.processes import kill_while_busy
 
 CTX = RunContext.single()
 TRIALS = 20
@@ -40,6 +36,7 @@ def _saver(root: str, first_step: int, blocking: bool, ready: Any) -> None:
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork: never touch it
     model = _model(0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    accel.latest_checkpoint(root)  # for a store's root: its client is made before the kill
     step = first_step
     ready.set()
     while True:
@@ -51,34 +48,30 @@ def _saver(root: str, first_step: int, blocking: bool, ready: Any) -> None:
         step += 1
 
 
+def latest_loads_exactly(root: str | Path) -> int:
+    """The step of `root`'s latest checkpoint, after checking it loads (every checksum) with
+    the values its saver gave the model at that step."""
+    latest = accel.latest_checkpoint(root)
+    assert latest is not None
+    step = int(str(latest).rsplit("step-", 1)[1])
+    model = _model(-1.0)
+    manifest = accel.load_state(CTX, latest, model=model)  # verifies every checksum
+    assert manifest["step"] == step
+    assert all(bool((p == float(step)).all()) for p in model.parameters())
+    return step
+
+
 @pytest.mark.slow
 def test_sigkill_during_save_always_leaves_a_complete_latest(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     accel.save_checkpoint(CTX, root, {"model": _model(0.0)}, step=0)
     rng = random.Random(0)
-    fork = mp.get_context("fork")  # torch is imported already: each child starts at once
     next_step = 1
     latest_steps = []
     for trial in range(TRIALS):
-        ready = fork.Event()
-        child = fork.Process(target=_saver, args=(str(root), next_step, trial % 2 == 0, ready))
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns about forking a process with threads (torch's pool); the
-            # child touches no thread-pool state (set_num_threads(1) first), so it is safe.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            child.start()
-        assert ready.wait(timeout=60)
-        time.sleep(rng.uniform(0.0, 0.2))  # a save takes a few milliseconds: many in flight
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        assert child.exitcode == -signal.SIGKILL
-        latest = accel.latest_checkpoint(root)
-        assert latest is not None
-        step = int(latest.name.removeprefix("step-"))
-        model = _model(-1.0)
-        manifest = accel.load_state(CTX, latest, model=model)  # verifies every checksum
-        assert manifest["step"] == step
-        assert all(bool((p == float(step)).all()) for p in model.parameters())
+        # a save takes a few milliseconds: many are in flight at the kill
+        kill_while_busy(_saver, (str(root), next_step, trial % 2 == 0), rng.uniform(0.0, 0.2))
+        step = latest_loads_exactly(root)
         latest_steps.append(step)
         next_step = step + 1000  # distinct names for the next child's saves
     assert len(set(latest_steps)) > 1  # some kills landed after a save had published

@@ -197,6 +197,8 @@ PACKAGE = Path(accel.__file__).parent
 SHARED_PRIVATE = frozenset(
     {
         "_agreement",
+        # background checkpoint saves: started by checkpoint/, waited for by shutdown()
+        "_background",
         "_deepspeed_flags",
         "_canary",  # the device canary's mode: read by default_device, entered by accel.testing
         "_device",  # default_device and resolve_device: used by context.py and distributed.py

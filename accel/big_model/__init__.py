@@ -227,7 +227,9 @@ def dispatch_checkpoint(
 
     Args:
         model: a model built under `init_empty_weights` (or a real one, overwritten).
-        checkpoint: a .safetensors file, a sharded index .json, or a folder holding either.
+        checkpoint: a .safetensors file, a sharded index .json, or a folder holding either; or
+            the URL of one in a store (s3://, gs://: downloaded first, into `offload_dir` when
+            given, which weights placed on "disk" then read).
         device_map: a strategy of `infer_device_map` ("sequential", "balanced",
             "balanced_low_0"; "auto" is "balanced", as in Accelerate), or module/tensor name ->
             device. Any module may be named, containers never called themselves (an
@@ -270,39 +272,42 @@ def dispatch_checkpoint(
     _dispatch.check_unhooked(fn, model)
     torch_dtype = as_dtype(fn, "dtype", dtype)  # a cast target: floating only
     folder = check_writable(fn, offload_dir) if offload_dir is not None else None
-    entries = _dispatch.checkpoint_entries(fn, checkpoint)
-    layout = _dispatch.Layout(model)
-    _dispatch.check_keys(fn, layout, entries, strict)
-    budgets: dict[Device, int] | None = None  # a planned map's: where offloaded modules run
-    layers: frozenset[str] | None = None  # a planned map's: offloaded modules hook per layer
-    if isinstance(device_map, str):
-        strategy = "balanced" if device_map == "auto" else device_map
-        if strategy not in get_args(DeviceMapStrategy):
-            raise ValueError(
-                f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
-                f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
+    # A URL is downloaded first (its "disk" weights then need offload_dir to stay readable).
+    with _dispatch.local_files(fn, checkpoint, folder) as (local, disk_ok):
+        entries = _dispatch.checkpoint_entries(fn, local)
+        layout = _dispatch.Layout(model)
+        _dispatch.check_keys(fn, layout, entries, strict)
+        budgets: dict[Device, int] | None = None  # a planned map's: where offloaded modules run
+        layers: frozenset[str] | None = None  # a planned map's: offloaded modules hook per layer
+        if isinstance(device_map, str):
+            strategy = "balanced" if device_map == "auto" else device_map
+            if strategy not in get_args(DeviceMapStrategy):
+                raise ValueError(
+                    f"{fn}: device_map={device_map!r} is neither a strategy nor a dict; expected "
+                    f"'auto' or one of {get_args(DeviceMapStrategy)}, or a dict of name -> device."
+                )
+            budgets = dm.budgets(fn, max_memory)
+            layers = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
+            device_map = infer_device_map(
+                model, max_memory=budgets, no_split=layers, dtype=torch_dtype, strategy=strategy
             )
-        budgets = dm.budgets(fn, max_memory)
-        layers = frozenset(c if isinstance(c, str) else c.__name__ for c in no_split)
-        device_map = infer_device_map(
-            model, max_memory=budgets, no_split=layers, dtype=torch_dtype, strategy=strategy
-        )
-    elif not isinstance(device_map, Mapping):
-        raise TypeError(
-            f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
-        )
-    elif max_memory is not None or no_split:
-        warnings.warn(
-            f"{fn}: max_memory and no_split only shape a planned device_map; they are ignored "
-            "with the device_map you passed.",
-            stacklevel=2,
-        )
-    placement = layout.place(fn, device_map)
-    execution = _dispatch.execution_device(device_map, budgets)
-    sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
-    _dispatch.hook(model, layout, device_map, sources, execution, layers)
-    object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
-    return model
+        elif not isinstance(device_map, Mapping):
+            raise TypeError(
+                f"{fn}: device_map={device_map!r} must be 'auto' or a dict of name -> device."
+            )
+        elif max_memory is not None or no_split:
+            warnings.warn(
+                f"{fn}: max_memory and no_split only shape a planned device_map; they are ignored "
+                "with the device_map you passed.",
+                stacklevel=2,
+            )
+        placement = layout.place(fn, device_map)
+        _dispatch.check_disk(fn, placement, disk_ok)
+        execution = _dispatch.execution_device(device_map, budgets)
+        sources = _dispatch.load(fn, layout, entries, placement, execution, folder, torch_dtype)
+        _dispatch.hook(model, layout, device_map, sources, execution, layers)
+        object.__setattr__(model, "hf_device_map", dict(device_map))  # as transformers names it
+        return model
 
 
 def describe_device_map(

@@ -4,13 +4,17 @@ checkpoint shard by shard into place, and hooking offloaded units."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from accel._safetensors.files import resolve_checkpoint, verified_headers
+from accel._store.exports import fetch_export
+from accel._store.staging import named_as, transfer_folder
+from accel._store.urls import Remote, locate
 from accel.big_model import _device_map as dm
 from accel.big_model._hooks import ATTR, Slot, attach, attach_input_move
 from accel.big_model._offload import (
@@ -95,6 +99,43 @@ class Layout:
                     "a device."
                 )
         return placement
+
+
+@contextmanager
+def local_files(
+    fn: str, checkpoint: str | os.PathLike[str], offload: Path | None
+) -> Iterator[tuple[str | os.PathLike[str], bool]]:
+    """The checkpoint as local files, and whether weights may stay on "disk" reading them.
+
+    A local path is itself. A URL is downloaded (each file checked against the manifest beside
+    it): into `offload`/checkpoint when given, kept there for the weights placed on "disk";
+    otherwise into a temporary folder removed when the block ends, so no weight may stay on
+    "disk" (`check_disk`). Errors naming the download name the URL.
+    """
+    where = locate(fn, "checkpoint", checkpoint)
+    if not isinstance(where, Remote):
+        yield where, True
+        return
+    if offload is not None:
+        kept = offload / "checkpoint"
+        kept.mkdir(exist_ok=True)
+        with named_as(kept, where.url):
+            yield fetch_export(fn, where, kept), True
+        return
+    with transfer_folder("download") as scratch, named_as(scratch, where.url):
+        yield fetch_export(fn, where, scratch), False
+
+
+def check_disk(fn: str, placement: Mapping[str, Device], disk_ok: bool) -> None:
+    """Refuse "disk" placements reading downloaded files that go when the call returns."""
+    on_disk = sorted(name for name, device in placement.items() if device == "disk")
+    if on_disk and not disk_ok:
+        raise ValueError(
+            f"{fn}: device_map places {on_disk[:3]} ({len(on_disk)}) on 'disk', whose weights "
+            "are read from the checkpoint's files while the model runs, but the checkpoint is "
+            "in a store and its downloaded files go once the call returns. Pass offload_dir= "
+            "to keep them there."
+        )
 
 
 def checkpoint_entries(

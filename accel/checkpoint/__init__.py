@@ -20,25 +20,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from accel._dtensor import has_dtensors
-from accel._groups import every_rank_step
 from accel._size import parse_size
+from accel._store.exports import fetch_export
+from accel._store.staging import named_as, transfer_folder
+from accel._store.urls import Remote, locate
 from accel.checkpoint import _atomic
-from accel.checkpoint._deepspeed_state import engine_state, engines_as_state
-from accel.checkpoint._model_io import (
-    dedupe_tied,
-    file_layout,
-    publish_model_files,
-    write_model_files,
-)
+from accel.checkpoint._deepspeed_state import engines_as_state
+from accel.checkpoint._exporting import export, export_to_store
 from accel.checkpoint._model_load import load_into
+from accel.checkpoint._remote import committed_steps, load_remote
+from accel.checkpoint._remote import rotate as remote_rotate
 from accel.checkpoint._saving import CheckpointHandle, group_of, start_save
-from accel.checkpoint._sharded_save import save_sharded
 from accel.checkpoint._state_io import PerRank, load
 from accel.checkpoint._steps import complete_steps, rotate
 from accel.context import RunContext
 from accel.parallel import unwrap_model
-from accel.parallel.deepspeed import deepspeed_engine
 
 __all__ = [
     "CheckpointHandle",
@@ -92,7 +88,8 @@ def save_model(
     Args:
         ctx: the run context; rank 0 writes, and every rank returns once the files are durable.
         model: the model, wrapped or not (DDP, FSDP2, `torch.compile`); it is unwrapped first.
-        directory: the folder to write into; created if missing.
+        directory: the folder to write into; created if missing. Or a URL (`s3://...`): written
+            locally, then uploaded with the manifest last (docs/checkpoints.md).
         max_shard_size: the most bytes per file, an int or a string such as "5GB" (default).
         full_state_dict: gather a sharded model to full weights on every rank and write from
             rank 0; default False (each rank writes its slices).
@@ -114,30 +111,12 @@ def save_model(
     """
     fn = "save_model"
     _check_model(fn, model)
-    directory = _atomic.as_folder(fn, "directory", directory)
+    where = locate(fn, "directory", directory)
     max_bytes = parse_size(fn, "max_shard_size", max_shard_size, minimum=1)
-    inner = unwrap_model(model)
-    engine = deepspeed_engine(model)  # its whole weights on every rank (ZeRO-3 gathers them)
-    state = inner.state_dict() if engine is None else engine_state(engine)
-    if has_dtensors(state.values()) and not full_state_dict:  # no rank gathers anything
-        tensors, aliases = dedupe_tied(inner.state_dict(keep_vars=True))  # ties by identity
-        publish = partial(publish_model_files, fn, Path(directory), tensors, aliases, max_bytes)
-        save_sharded(ctx, Path(directory), file_layout(tensors, max_bytes), publish)
-        return
-    if has_dtensors(state.values()):
-        from torch.distributed.checkpoint.state_dict import (  # on use: ~1 s to import
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(inner, options=options)
-
-    def write() -> None:
-        if ctx.is_main:
-            write_model_files(Path(directory), state, max_bytes)
-
-    every_rank_step(ctx, fn, write)  # every rank returns once the files are durable, or raises
+    if isinstance(where, Remote):
+        export_to_store(ctx, model, where, max_bytes, full_state_dict)
+    else:
+        export(ctx, model, _atomic.as_folder(fn, "directory", where), max_bytes, full_state_dict)
 
 
 def _check_model(fn: str, model: object) -> None:
@@ -175,7 +154,8 @@ def load_checkpoint_in_model(
 
     Args:
         model: the model to fill, wrapped or not; a sharded one takes each rank's slices.
-        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either.
+        checkpoint: a `.safetensors` file, a `.safetensors.index.json`, or a folder of either;
+            or its URL (`s3://...`), downloaded first and checked against its manifest.
         device: where to put the tensors (an int is a CUDA index); default: an empty (meta)
             model is filled on the CPU, a real one is loaded where its tensors are.
         strict: require the key sets to match; default True (False loads the matching ones).
@@ -204,7 +184,12 @@ def load_checkpoint_in_model(
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device) if device is not None else None
-    return LoadResult(*load_into(fn, unwrap_model(model), checkpoint, device, strict))
+    where = locate(fn, "checkpoint", checkpoint)
+    if not isinstance(where, Remote):
+        return LoadResult(*load_into(fn, unwrap_model(model), where, device, strict))
+    with transfer_folder("download") as folder, named_as(folder, where.url):
+        local = fetch_export(fn, where, folder)  # each rank its own copy, checked
+        return LoadResult(*load_into(fn, unwrap_model(model), local, device, strict))
 
 
 # ---------------------------------------------------------------------------------- state
@@ -237,7 +222,9 @@ def save_state(
     Args:
         ctx: the run context; every rank calls with the same names.
         directory: the folder to create; an existing accel checkpoint is replaced once the new
-            one is done; any other existing folder with files in it is refused.
+            one is done; any other existing folder with files in it is refused. Or a URL of an
+            object store (`s3://bucket/run`, `gs://...`): committed by its manifest, written
+            last (docs/checkpoints.md, "Object storage").
         state: name -> object, e.g. `{"model": model, "optimizer": opt}`; `PerRank(obj)`
             saves every rank's own copy.
         **objects: more objects by name, as keyword arguments.
@@ -269,7 +256,8 @@ def save_state(
         ['model', 'optimizer']
     """
     fn = "save_state"
-    start_save(fn, ctx, Path(directory), _objects(fn, state, objects), info={}, blocking=True)
+    target = locate(fn, "directory", directory)
+    start_save(fn, ctx, target, _objects(fn, state, objects), info={}, blocking=True)
 
 
 def _objects(fn: str, state: object, objects: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +296,7 @@ def load_state(
 
     Args:
         ctx: the run context; its rank picks the RNG state and `PerRank` files to load.
-        directory: a folder written by `save_state` (or `save_checkpoint`).
+        directory: a folder written by `save_state` (or `save_checkpoint`), or its URL.
         state: name -> object to load into, in place, by the names they were saved under (the
             dict given to `save_state` or `save_checkpoint`).
         **objects: more objects by name, as keyword arguments.
@@ -335,7 +323,11 @@ def load_state(
     """
 
     fn = "load_state"
-    return load(fn, ctx, Path(directory), _objects(fn, state, objects), group_of(ctx, fn))
+    target = locate(fn, "directory", directory)
+    loaded = _objects(fn, state, objects)
+    if isinstance(target, Remote):
+        return load_remote(fn, ctx, target, loaded, group_of(ctx, fn))
+    return load(fn, ctx, target, loaded, group_of(ctx, fn))
 
 
 def save_checkpoint(
@@ -356,7 +348,8 @@ def save_checkpoint(
 
     Args:
         ctx: the run context; call it on every rank.
-        root: the folder of `step-<n>` checkpoints; created if missing.
+        root: the folder of `step-<n>` checkpoints; created if missing. Or a URL
+            (`s3://bucket/run`): each step is committed by its manifest, written last.
         state: name -> object, the same dict `save_state` and `load_state` take.
         step: the training step, an int >= 0, which names the folder.
         keep: how many of the newest complete checkpoints to keep; default None keeps all.
@@ -389,11 +382,16 @@ def save_checkpoint(
         raise ValueError(f"{fn}: step={step!r} must be a non-negative int (the training step).")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"{fn}: keep={keep!r} must be None (keep all) or an int >= 1.")
-    root_path = _atomic.as_folder(fn, "root", root)
-    final = root_path / f"step-{step}"
-    _atomic.check_target(fn, final)
-    root_path.mkdir(parents=True, exist_ok=True)
-    after_publish = None if keep is None else partial(rotate, root_path, keep, step)
+    where = locate(fn, "root", root)
+    if isinstance(where, Remote):
+        final: Path | Remote = where.child(f"step-{step}")
+        after_publish = None if keep is None else partial(remote_rotate, fn, where, keep, step)
+    else:
+        root_path = _atomic.as_folder(fn, "root", where)
+        final = root_path / f"step-{step}"
+        _atomic.check_target(fn, final)
+        root_path.mkdir(parents=True, exist_ok=True)
+        after_publish = None if keep is None else partial(rotate, root_path, keep, step)
     return start_save(
         fn,
         ctx,
@@ -402,19 +400,21 @@ def save_checkpoint(
         info={"step": step},
         blocking=blocking,
         after_publish=after_publish,
+        numbered=True,
     )
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | str | None:
     """Find the newest complete `root/step-<n>` checkpoint (manifest present, sizes match).
 
     Checksums are not read here; `load_state` verifies them.
 
     Args:
-        root: the folder `save_checkpoint` writes into; it need not exist.
+        root: the folder `save_checkpoint` writes into; it need not exist. Or its URL.
 
     Returns:
-        The path of the complete checkpoint with the highest step, or None.
+        The path of the complete checkpoint with the highest step (its URL, a str, for a
+        root in a store: only committed steps), or None.
 
     Folders that are incomplete or damaged are skipped (logged at debug level); a `root` that
     does not exist yet gives None, one that is a file raises NotADirectoryError.
@@ -425,5 +425,10 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    complete = complete_steps(_atomic.as_folder("latest_checkpoint", "root", root))
+    fn = "latest_checkpoint"
+    where = locate(fn, "root", root)
+    if isinstance(where, Remote):
+        committed = committed_steps(fn, where, newest_only=True)
+        return committed[-1][1].url if committed else None
+    complete = complete_steps(_atomic.as_folder(fn, "root", where))
     return complete[-1][1] if complete else None

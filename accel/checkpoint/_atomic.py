@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import time
 import zlib
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import torch
 from accel._groups import describe, reported
 from accel._safetensors.exports import fsync_path
 from accel._safetensors.manifests import FORMAT, MANIFEST, read_manifest
+from accel._store.staging import host_name, writer_gone
 from accel._version import __version__
 
 logger = logging.getLogger(__name__)
@@ -45,25 +45,12 @@ _DEBRIS = re.compile(
 
 
 def _token() -> str:
-    host = re.sub(r"[^\w-]", "_", socket.gethostname())
-    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{host_name()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def sibling(final: Path, kind: str) -> Path:
     """A fresh, unique hidden sibling of `final` of the given kind (partial, old, deleting)."""
     return final.parent / f".{final.name}.{_token()}.{kind}"
-
-
-def _writer_gone(host: str, pid: int) -> bool:
-    if host != re.sub(r"[^\w-]", "_", socket.gethostname()):
-        return False  # another machine's writer: it may be alive; leave its files alone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def sweep(parent: Path) -> None:
@@ -80,7 +67,7 @@ def sweep(parent: Path) -> None:
         match = _DEBRIS.fullmatch(path.name)
         if match is None:
             continue  # not a name accel writes: never touched
-        if match["kind"] == "deleting" or _writer_gone(match["host"], int(match["pid"])):
+        if match["kind"] == "deleting" or writer_gone(match["host"], int(match["pid"])):
             logger.debug("removing %s, left by an interrupted save or rotation", path)
             remove_tree(path)
 
@@ -172,6 +159,18 @@ def check_target(fn: str, final: Path) -> bool:
     )
 
 
+def manifest_bytes(entries: dict[str, list[int]], info: dict[str, Any]) -> bytes:
+    """The manifest of a checkpoint of the files `entries` (rel -> [size, crc32]) and `info`."""
+    manifest = {
+        "format": FORMAT,
+        "accel_version": __version__,
+        "torch_version": torch.__version__,
+        **info,
+        "files": dict(sorted(entries.items())),
+    }
+    return json.dumps(manifest, indent=1).encode()
+
+
 def publish(
     fn: str,
     staging: Path,
@@ -187,14 +186,7 @@ def publish(
     after. Without it the rename never replaces a published checkpoint (a directory holding
     files cannot be renamed over): a second writer of the same name gets FileExistsError.
     """
-    manifest = {
-        "format": FORMAT,
-        "accel_version": __version__,
-        "torch_version": torch.__version__,
-        **info,
-        "files": dict(sorted(entries.items())),
-    }
-    write_bytes(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_bytes(staging / MANIFEST, manifest_bytes(entries, info))
     for sub in sorted({p.parent for p in staging.rglob("*")} | {staging}, reverse=True):
         fsync_path(sub)
     old = sibling(final, "old")

@@ -30,6 +30,10 @@ from accel._safetensors.exports import export_lock
 from accel._safetensors.files import check_inside
 from accel._safetensors.header import CorruptFileError
 from accel._size import parse_size
+from accel._store.exports import publish_export
+from accel._store.staging import named_as, transfer_folder
+from accel._store.transfer import download, listing
+from accel._store.urls import Remote, locate
 from accel.checkpoint import _atomic
 from accel.checkpoint._dcp import DCP_DIR, _MetadataUnpickler
 from accel.checkpoint._model_io import (
@@ -40,6 +44,7 @@ from accel.checkpoint._model_io import (
     publish_model_files,
     write_model_files,
 )
+from accel.checkpoint._remote import files_for_rank, read_remote_manifest
 from accel.checkpoint._safetensors_io import header_bytes
 from accel.checkpoint._sharded_save import presize
 
@@ -67,7 +72,9 @@ def merge_weights(
     DeepSpeed's `zero_to_fp32`; its files are pickles, read only with `trust_pickle=True`.
     """
     max_bytes = parse_size(_FN, "max_shard_size", max_shard_size, minimum=1)
-    source, destination = Path(src), Path(dst)
+    source, destination = locate(_FN, "src", src), locate(_FN, "dst", dst)
+    if isinstance(source, Remote) or isinstance(destination, Remote):
+        return _merge_through_store(source, destination, model, max_bytes)
     if _is_zero_checkpoint(source):
         return _merge_zero(source, destination, max_bytes, trust_pickle=trust_pickle)
     folder = _dcp_folder(source)
@@ -107,6 +114,57 @@ def merge_weights(
                 folder.rmdir()
         raise
     return list(tensors)
+
+
+def _merge_through_store(
+    source: Path | Remote, destination: Path | Remote, model: str | None, max_bytes: int
+) -> list[str]:
+    """merge-weights where SRC or DST is a URL: SRC's manifest and DCP files are downloaded
+    (each checked as it lands), the merge runs locally, and DST is uploaded with its manifest
+    last (`publish_export`)."""
+    _check_urls_overlap(source, destination)
+    with transfer_folder("download") as down, transfer_folder("upload") as up:
+        local_src = source if isinstance(source, Path) else _fetch_dcp(source, down)
+        local_dst = destination if isinstance(destination, Path) else up
+        with named_as(down, str(source)), named_as(up, str(destination)):
+            keys = merge_weights(local_src, local_dst, model=model, max_shard_size=max_bytes)
+        if isinstance(destination, Remote):
+            publish_export(_FN, up, destination)
+    return keys
+
+
+def _check_urls_overlap(source: Path | Remote, destination: Path | Remote) -> None:
+    if not (isinstance(source, Remote) and isinstance(destination, Remote)):
+        return
+    a, b = source.path, destination.path
+    if source.protocol == destination.protocol and (
+        a == b or b.startswith(f"{a}/") or a.startswith(f"{b}/")
+    ):
+        raise ValueError(
+            f"{_FN}: dst={destination.url!r} overlaps src={source.url!r} (the same prefix, "
+            "inside it, or containing it); merging would write into the checkpoint. Pass a DST "
+            "outside it, e.g. a sibling prefix."
+        )
+
+
+def _fetch_dcp(source: Remote, folder: Path) -> Path:
+    """Download the DCP files of a checkpoint in a store (a `save_state` prefix, checked against
+    its manifest, or a bare DCP prefix) into `folder`; return the local path to merge."""
+    objects = listing(_FN, source)
+    if manifests.MANIFEST in objects:
+        with named_as(folder, source.url):
+            manifest = read_remote_manifest(_FN, source, folder)
+        dcp = {rel: e for rel, e in files_for_rank(manifest, 0).items() if rel.startswith("dcp/")}
+        download(_FN, source, dcp, folder)
+        return folder
+    if _METADATA in objects:
+        download(_FN, source, dict.fromkeys(objects), folder)
+        return folder
+    raise FileNotFoundError(
+        f"{_FN}: src={source.url!r} is not a sharded checkpoint: it holds neither an accel "
+        f"manifest nor DCP's {_METADATA}. Pass a prefix written by accel.save_state of a "
+        "sharded model."
+    )
 
 
 def _is_zero_checkpoint(src: Path) -> bool:

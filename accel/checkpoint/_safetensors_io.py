@@ -43,7 +43,7 @@ CHUNK = 8 << 20
 NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -164,7 +164,7 @@ def start_write(
     Returns before the checksum of the last chunks is done, so that the caller's fsync (the
     disk's time) overlaps with it.
     """
-    views = [memoryview(header_bytes(tensors, metadata))] + [_as_bytes(t) for t in tensors.values()]
+    views = [memoryview(header_bytes(tensors, metadata))] + [as_bytes(t) for t in tensors.values()]
     crc = Checksum()
     size = 0
     try:

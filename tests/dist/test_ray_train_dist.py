@@ -2,9 +2,11 @@
 
 A TorchTrainer runs an accel loop: Ray creates the process group, accel joins it and uses the
 rank, node rank and device Ray assigned; `save_state` checkpoints go to Ray through
-`ray.train.report(checkpoint=...)`. A worker that fails once is restarted by Ray's
-FailureConfig and resumes from `ray.train.get_checkpoint()`; the run must end with the losses
-and parameters, bit for bit, of an uninterrupted one. `accel.shutdown` leaves Ray's group.
+`ray.train.report(checkpoint=...)`: from a shared folder in one run, from an s3:// bucket (the
+suite's S3 server) in the other, with Ray's own storage in the bucket too. A worker that fails
+once is restarted by Ray's FailureConfig and resumes from `ray.train.get_checkpoint()`; the run
+must end with the losses and parameters, bit for bit, of an uninterrupted one.
+`accel.shutdown` leaves Ray's group.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.processes import leftovers
+from tests.s3_server import s3_environment
 
 ray = pytest.importorskip("ray")  # the `ray` extra
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
@@ -54,6 +57,9 @@ def train_loop(config: dict[str, Any]) -> None:
     import accel
 
     scratch, fail_at = Path(config["scratch"]), config["fail_at"]
+    root = config.get("root")  # a bucket's URL: checkpoints go there, Ray is told where
+    if root is not None:
+        os.environ.update(config["store_env"])  # the job's environment, as a cluster sets it
     ctx = accel.init_distributed(seed=0)
     accel.set_seed(0, ctx=ctx)
     model = accel.wrap_model(ctx, torch.nn.Linear(4, 1))
@@ -61,8 +67,11 @@ def train_loop(config: dict[str, Any]) -> None:
     history = History()
     state = {"model": model, "optimizer": optimizer, "history": history}
     if (checkpoint := ray.train.get_checkpoint()) is not None:
-        with checkpoint.as_directory() as folder:
-            accel.load_state(ctx, folder, state)
+        if root is not None:  # Ray's copy is in the bucket too: loaded from there
+            accel.load_state(ctx, f"s3://{checkpoint.path}", state)
+        else:
+            with checkpoint.as_directory() as folder:
+                accel.load_state(ctx, folder, state)
     while history.step < STEPS:
         x = torch.randn(8, 4)  # each rank's RNG stream is restored from the checkpoint
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
@@ -71,13 +80,15 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.zero_grad()
         history.step += 1
         history.losses.append(accel.reduce(ctx, loss.detach(), op="mean").item())
-        # every rank writes its part into one folder (the workers share this machine's disk)
-        folder = scratch / f"step-{history.step}"
-        accel.save_state(ctx, folder, state)
-        ray.train.report(
-            {"step": history.step},
-            checkpoint=Checkpoint.from_directory(folder) if ctx.is_main else None,
-        )
+        if root is None:  # every rank writes its part into one folder (a shared disk)
+            folder = scratch / f"step-{history.step}"
+            accel.save_state(ctx, folder, state)
+            reported = Checkpoint.from_directory(folder)
+        else:  # every rank uploads its part under one prefix of the bucket
+            url = f"{root}/step-{history.step}"
+            accel.save_state(ctx, url, state)
+            reported = Checkpoint(url.removeprefix("s3://"), filesystem=config["filesystem"])
+        ray.train.report({"step": history.step}, checkpoint=reported if ctx.is_main else None)
         marker = scratch / "failed-once"
         if history.step == fail_at and ctx.rank == 1 and not marker.exists():
             marker.write_text("1")
@@ -121,16 +132,32 @@ def local_ray() -> Any:
     assert leftover == [], "Ray left processes running"
 
 
-def _fit(tmp: Path, name: str, fail_at: int) -> list[dict[str, Any]]:
+def _fit(tmp: Path, name: str, fail_at: int, bucket: str | None = None) -> list[dict[str, Any]]:
+    """One fit; with `bucket` (an s3:// URL) the checkpoints and Ray's storage are there."""
     scratch = tmp / name
     scratch.mkdir()
+    config: dict[str, Any] = {"scratch": str(scratch), "fail_at": fail_at}
+    storage: dict[str, Any] = {"storage_path": str(tmp / "ray")}
+    if bucket is not None:
+        import pyarrow.fs
+        import s3fs
+
+        store_env = {k: os.environ[k] for k in s3_environment("")}
+        client = s3fs.S3FileSystem(
+            endpoint_url=store_env["AWS_ENDPOINT_URL"],
+            key=store_env["AWS_ACCESS_KEY_ID"],
+            secret=store_env["AWS_SECRET_ACCESS_KEY"],
+        )  # Ray's own copies go through the same server, by pyarrow's fsspec bridge
+        filesystem = pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(client))
+        root = f"{bucket}/{name}"
+        config.update(root=root, store_env=store_env, filesystem=filesystem)
+        storage = {"storage_path": f"{root.removeprefix('s3://')}/ray",
+                   "storage_filesystem": filesystem}  # fmt: skip
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"scratch": str(scratch), "fail_at": fail_at},
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=RunConfig(
-            name=name, storage_path=str(tmp / "ray"), failure_config=FailureConfig(max_failures=1)
-        ),
+        run_config=RunConfig(name=name, failure_config=FailureConfig(max_failures=1), **storage),
     )
     trainer.fit()
     return [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(2)]
@@ -138,10 +165,12 @@ def _fit(tmp: Path, name: str, fail_at: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(900)  # two fits of a Ray cluster: 270 s on 2 loaded cores, over 300 in CI
 def test_a_failed_worker_is_restarted_by_ray_and_resumes_exactly(
-    tmp_path: Path, local_ray: None
+    tmp_path: Path, local_ray: None, s3: str
 ) -> None:
-    reference = _fit(tmp_path, "uninterrupted", fail_at=0)
-    resumed = _fit(tmp_path, "failed-once", fail_at=3)
+    reference = _fit(tmp_path, "uninterrupted", fail_at=0)  # checkpoints in a shared folder
+    # Checkpoints in a bucket, reported to Ray from there (Ray's storage in the bucket too):
+    # the restarted worker loads the one Ray gives back straight from the store.
+    resumed = _fit(tmp_path, "failed-once", fail_at=3, bucket=s3)
     assert (tmp_path / "failed-once" / "failed-once").exists()  # it did fail, and was restarted
     for ref, got in zip(reference, resumed, strict=True):
         assert len(ref["losses"]) == STEPS
