@@ -44,6 +44,29 @@ class RemoteTraceback(Exception):
         return str(self.args[0])
 
 
+class _CallerStreams:
+    """The caller's stdout and stderr, handed to a rank the forkserver starts.
+
+    A forkserver's children inherit the server's own stdout and stderr: those of whatever the
+    caller's were when the server started (under pytest, another test's capture). Pickled for
+    the child, this duplicates the caller's two descriptors into it as they are now, as a
+    spawned or forked rank would have them; `attach` puts them in place.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return (_attached_streams, (DupFd(1), DupFd(2)))
+
+
+def _attached_streams(out: Any, err: Any) -> None:
+    """In the rank: the caller's stdout and stderr become this process's 1 and 2."""
+    for source, target in ((out, 1), (err, 2)):
+        fd = source.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
 def _worker(
     call: bytes | tuple[Callable[..., Any], tuple[Any, ...]],
     rank: int,
@@ -55,7 +78,10 @@ def _worker(
     device_type: str = "cpu",
     environ: dict[str, str] | None = None,
     canary: bool = False,
+    streams: object = None,
 ) -> None:
+    # `streams`, from the forkserver: unpickling it already attached the caller's stdout and
+    # stderr (see _CallerStreams).
     if environ is not None:  # a rank from the forkserver: the caller's variables, as spawned
         os.environ.clear()
         os.environ.update(environ)
@@ -198,6 +224,7 @@ def start_world(
                     device_type,
                     environ,
                     canary_device() is not None,
+                    _CallerStreams() if environ is not None else None,
                 ),
                 name=f"accel-rank-{rank}",
                 # Not daemonic, so a rank can start DataLoader workers; the `finally` below

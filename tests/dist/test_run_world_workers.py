@@ -117,10 +117,26 @@ def _abort_on_rank_1(ctx: RunContext) -> None:
         os.abort()  # as a C++ std::terminate ends a process: SIGABRT, no Python exception
 
 
-def test_a_rank_that_aborts_prints_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(RuntimeError, match="rank 1 was killed by signal 6"):
-        run_world(_abort_on_rank_1, world_size=2, timeout=60)
-    err = capfd.readouterr().err
+def _nothing(ctx: RunContext) -> None:
+    pass
+
+
+def test_a_rank_that_aborts_prints_its_python_stack(tmp_path: Path) -> None:
+    # The ranks print where the caller's stderr is now, not where it was when the forkserver
+    # started (under pytest: an earlier test's capture, where the stack was lost): start the
+    # server first, then point stderr elsewhere, as the next test's capture does.
+    run_world(_nothing, world_size=1, timeout=60)
+    log = tmp_path / "stderr"
+    saved = os.dup(2)
+    try:
+        with log.open("w") as file:
+            os.dup2(file.fileno(), 2)
+            with pytest.raises(RuntimeError, match="rank 1 was killed by signal 6"):
+                run_world(_abort_on_rank_1, world_size=2, timeout=60)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    err = log.read_text()
     assert "Fatal Python error: Aborted" in err, err
     # The frame that aborted, by file and name (faulthandler's format).
     assert re.search(r'File ".*test_run_world_workers.py", line \d+ in _abort_on_rank_1', err), err
