@@ -114,7 +114,10 @@ def local_ray() -> Any:
     saved = dict(os.environ)
     try:
         env = {"env_vars": {"PYTHONPATH": str(Path(__file__).parents[2])}}
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=env)
+        # address="local": a cluster of this test's own, even where another Ray cluster runs on
+        # the machine (plain ray.init() joins it, and refuses num_cpus then).
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env=env)  # fmt: skip
         yield
     finally:
         ray.shutdown()
