@@ -100,13 +100,44 @@ def test_tensor_parallel_splits_the_weights() -> None:
         (Config(num_processes=3, num_machines=2), r"num_processes=3 is not divisible by "
          r"num_machines=2"),
         (Config(num_processes=2, mixed_precision="fp8"), r"fp8.*--mixed_precision bf16"),
-        (Config(num_processes=2, distributed_type="DEEPSPEED"), r"DEEPSPEED is not estimated"),
+        (Config(num_processes=2, distributed_type="DEEPSPEED"),
+         r"child process .* pass module-level functions .*not lambdas"),
     ],
 )  # fmt: skip
 def test_a_layout_that_cannot_work_is_one_line(config: Config, match: str) -> None:
     with pytest.raises((ValueError, NotImplementedError), match=match) as err:
-        accel.estimate_memory(small, (2, 16), config=config, device="cpu")
+        accel.estimate_memory(lambda: small(), (2, 16), config=config, device="cpu")
     assert "\n" not in str(err.value)
+
+
+PP2 = Config(num_processes=2, parallelism_config=(("parallelism_config_pp_size", 2),))
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        ({"microbatches": 3}, r"microbatches=3 does not divide the batch's 2 rows"),
+        ({"microbatches": 0}, r"microbatches=0 must be an int >= 1"),
+        ({"schedule": "pipedream"}, r"schedule='pipedream' is not supported .*expected one of"),
+    ],
+)
+def test_a_pipeline_that_cannot_run_is_one_line(keywords: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        accel.estimate_memory(small, (2, 16), config=PP2, device="cpu", **keywords)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_are_shown_apart_and_the_head_is_named() -> None:
+    one = accel.estimate_memory(small, (2, 16), config=PP2, device="cpu")
+    assert one.strategy == "pp+none"
+    assert [(r.role, r.ranks) for r in one.ranks] == [
+        ("pp stage 0", (0,)), ("pp stage 1 (last: the head)", (1,))]  # fmt: skip
+    assert all(r.peak_phase == "pipeline" for r in one.ranks)
+    # the V schedule: rank 0 holds the first and the last stage (the head), rank 1 the middle
+    v = accel.estimate_memory(lambda: Llama(vocab=128, dim=32, heads=4, layers=4), (4, 16),
+                              config=PP2, schedule="zbv", microbatches=2, device="cpu")  # fmt: skip
+    assert [r.role for r in v.ranks] == ["pp stages 0, 3 (last: the head)", "pp stages 1, 2"]
 
 
 class DataDependent(nn.Module):

@@ -29,7 +29,7 @@ activations, FSDP2's gathered parameters and every collective's buffers as commu
 
 _PHASE_CATEGORY = MappingProxyType(
     {"setup": "parameters", "forward": "activations", "backward": "activations",
-     "optimizer": "optimizer_state"}
+     "optimizer": "optimizer_state", "pipeline": "activations"}
 )  # fmt: skip
 _c10d = torch.ops.c10d
 # In-place collectives: what their first argument (output or buffer) and second (the buffer
@@ -38,6 +38,7 @@ _COLLECTIVES = MappingProxyType(
     {
         _c10d._reduce_scatter_base_.default: ("gradients", "communication"),
         _c10d.reduce_scatter_tensor_coalesced_.default: ("gradients", "communication"),
+        _c10d.reduce_.default: ("gradients",),  # DeepSpeed's ZeRO-1/2 gradient bucket
         **dict.fromkeys(
             (_c10d._allgather_base_.default, _c10d.allreduce_.default, _c10d.broadcast_.default,
              _c10d.allgather_.default, _c10d.reduce_scatter_.default,
@@ -130,6 +131,12 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
         self.now[category] += size
 
+    def _add_buffer(self, storage: torch.UntypedStorage, role: str) -> None:
+        """A collective's buffer: counted under `role`, unless it holds the weights (DeepSpeed
+        gathers its updated partitions straight into the flat weights they are views of)."""
+        entry = self._live.get(id(storage))
+        self._add(storage, role, move=entry is None or entry[1] != "parameters")
+
     def set_aside(self, weights: Iterable[Any]) -> None:
         """Move what setup made beyond `weights` (DDP's buckets) to communication."""
         mine = {id(s) for t in weights if isinstance(t, torch.Tensor) for s in storages(t)}
@@ -170,7 +177,7 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 for t in tree_leaves(arg):
                     if isinstance(t, torch.Tensor):
                         for storage in storages(t):
-                            self._add(storage, role, move=True)
+                            self._add_buffer(storage, role)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for storage in storages(t):

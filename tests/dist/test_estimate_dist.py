@@ -16,7 +16,8 @@ import pytest
 import accel
 from accel.config import Config
 from accel.estimate import _plan
-from accel.estimate._step import StepSpec, run_steps
+from accel.estimate._spec import StepSpec
+from accel.estimate._step import run_steps
 from accel.testing import run_world
 from tests.models import TP_PLAN, Llama
 
