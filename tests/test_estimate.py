@@ -16,8 +16,10 @@ from torch import nn
 
 import accel
 from accel.config import Config
+from accel.estimate import _plan
 from accel.estimate._account import MemoryAccount
 from accel.estimate._fake import fake_tensors, fake_world
+from accel.estimate._spec import StepSpec
 from tests.models import TP_PLAN, Llama
 
 
@@ -176,3 +178,39 @@ def test_bad_input_is_one_line_naming_what_to_change() -> None:
         accel.estimate_memory(small, (2, 16), device="tpu")
     with pytest.raises(ValueError, match=r"model='nomodule:x' cannot be loaded"):
         accel.estimate_memory("nomodule:x", (2, 16), device="cpu")
+
+
+ZERO2 = Config(num_processes=2, distributed_type="DEEPSPEED", deepspeed_config=(("zero_stage", 2),))
+
+
+# DeepSpeed 0.19's engine, run in this process, calls a collective torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")
+@pytest.mark.slow
+def test_a_deepspeed_rank_runs_in_a_child_process_told_its_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    child = accel.estimate_memory(small, (2, 16), config=ZERO2, device="cpu")
+    assert child.strategy == "deepspeed" and child.ranks[0].ranks == (0, 1)
+    # DeepSpeed's default reduce bucket, 5e8 elements in fp32: what the run would allocate
+    assert child.peak > 5e8 * 4
+    # the same rank played in this process, its environment naming it for the while
+    layout = _plan.layout(ZERO2)
+    with monkeypatch.context() as env:
+        for key, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 2),
+                           ("LOCAL_WORLD_SIZE", 2)):  # fmt: skip
+            env.setenv(key, str(value))
+        here = _plan.estimate_rank(layout, 0, StepSpec(build=small, batch=(2, 16)), round_to=1)
+    assert (child.ranks[0].peak, child.ranks[0].host) == (here.peak, here.host)
+
+
+@pytest.mark.slow
+def test_fsdp2_offload_holds_weights_gradients_and_optimizer_state_in_host_memory() -> None:
+    def fsdp(offload: bool) -> Config:
+        return Config(num_processes=2, distributed_type="FSDP",
+                      fsdp_config=(("fsdp_offload_params", offload),))  # fmt: skip
+
+    on, off = (accel.estimate_memory(small, (2, 16), config=fsdp(o), device="cpu").ranks[0]
+               for o in (True, False))  # fmt: skip
+    assert off.host == 0 and on.host >= off.parameters + off.optimizer_state
+    assert on.parameters == on.gradients == on.optimizer_state == 0
+    assert on.peak < off.peak and on.peak == on.activations + on.communication

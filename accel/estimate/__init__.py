@@ -51,7 +51,10 @@ class RankMemory:
     """Collective buffers at the peak: FSDP2's gathered parameters and its all-gather and
     reduce-scatter buffers, DDP's buckets."""
     peak: int
-    """The most the rank holds at once: the sum of the above."""
+    """The most the rank holds at once on its device: the sum of the above."""
+    host: int
+    """Host (CPU) memory at its peak under CPU offload: the offloaded weights, gradients and
+    optimizer state (their bytes are not in the device's columns); 0 without offload."""
     peak_phase: str
     """Where the peak falls: "forward", "backward" or "optimizer"."""
 
@@ -86,15 +89,17 @@ class MemoryEstimate:
         return out
 
     def table(self) -> str:
-        """A Markdown table: one row per role, sizes in GiB."""
+        """A Markdown table: one row per role, sizes in GiB (a host column under offload)."""
+        offload = any(r.host for r in self.ranks)
         head = ("role", "ranks", "parameters", "gradients", "optimizer state", "activations",
-                "communication", "peak")  # fmt: skip
+                "communication", "peak", *(("host (offloaded)",) if offload else ()))  # fmt: skip
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.ranks:
             sizes = (r.parameters, r.gradients, r.optimizer_state, r.activations,
                      r.communication)  # fmt: skip
             cells = [r.role, _ranks(r.ranks), *(gib(s) for s in sizes)]
             cells.append(f"**{gib(r.peak)}** ({r.peak_phase})")
+            cells += [gib(r.host)] if offload else []
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 

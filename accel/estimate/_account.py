@@ -69,9 +69,12 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
     1 counts bytes as they are.
     """
 
-    def __init__(self, *, round_to: int = 1) -> None:
+    def __init__(self, *, round_to: int = 1, host: frozenset[str] = frozenset()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.round_to = round_to
+        self.host = host
+        """Categories held in host memory (CPU offload): outside the device's peak."""
+        self.host_peak = 0
         self.phase = "setup"
         self.now = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict(self.now)
@@ -83,7 +86,8 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @property
     def total(self) -> int:
-        return sum(self.now.values())
+        """Bytes on the device now (every category but those in host memory)."""
+        return sum(v for c, v in self.now.items() if c not in self.host)
 
     @property
     def peak_total(self) -> int:
@@ -148,8 +152,15 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _check_peak(self) -> None:
         if self.total > self.peak_total:
-            self.peak = dict(self.now)
+            self.peak = {c: 0 if c in self.host else v for c, v in self.now.items()}
             self.peak_phase = self.phase
+        self.host_peak = max(self.host_peak, sum(self.now[c] for c in self.host))
+
+    def restart_peak(self, phase: str) -> None:
+        """Start the peaks again from what is held now."""
+        self.peak = {c: 0 if c in self.host else v for c, v in self.now.items()}
+        self.peak_phase = phase
+        self.host_peak = sum(self.now[c] for c in self.host)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Update a storage after `UntypedStorage.resize_` (which no dispatch mode sees)."""

@@ -60,7 +60,9 @@ class Usage:
     activations: int
     communication: int
     peak: int
-    """The sum of the above at the moment the total was highest."""
+    """The sum of the above at the moment the device's total was highest."""
+    host: int
+    """Host memory at its peak under CPU offload (0 without): the offloaded categories."""
     peak_phase: str
     """Where the peak fell: "forward", "backward" or "optimizer"."""
     setup: int

@@ -8,6 +8,7 @@ under its own category.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ from accel.precision import autocast, optimizer_step, scaled_backward
 def _breakdown(account: MemoryAccount, setup: int, role: str) -> Usage:
     peak = account.peak
     return Usage(role=role, **{c: peak[c] for c in CATEGORIES}, peak=account.peak_total,
-                 peak_phase=account.peak_phase, setup=setup)  # fmt: skip
+                 host=account.host_peak, peak_phase=account.peak_phase,
+                 setup=setup)  # fmt: skip
 
 
 def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
@@ -45,9 +47,14 @@ def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
     real step allocates, at a fraction of its cost), so the measured step runs as every later
     step of a run does. A DeepSpeed engine, whose optimizer is its own, runs two real steps.
     """
-    account = MemoryAccount(round_to=round_to)
+    ctx, host = _offloaded(ctx)
+    if host:  # the optimizer steps on the host: as torch runs it on a CPU
+        spec = replace(spec, device_type="cpu")
+    account = MemoryAccount(round_to=round_to, host=host)
     with account, watching_resizes(account):
         trainer = (pipeline_trainer if ctx.pp_size > 1 else _trainer)(ctx, spec)
+        if trainer.engine:
+            account.host = _deepspeed_offload(account, trainer.modules[0])
         params = [p for m in trainer.modules for p in m.parameters()]
         account.set_aside([*params, *(b for m in trainer.modules for b in m.buffers())])
         for p in params:
@@ -59,7 +66,7 @@ def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
             with account.phase_of("optimizer"):
                 _prime(params, trainer.optimizer)
         setup = account.total
-        account.peak, account.peak_phase = dict(account.now), "setup"
+        account.restart_peak("setup")
         with account.phase_of("forward"):
             batch = trainer.make_batch()
         for _ in range(2 if trainer.engine else 1):
@@ -69,6 +76,38 @@ def run_steps(ctx: RunContext, spec: StepSpec, *, round_to: int = 1) -> Usage:
                 optimizer_step(ctx, trainer.optimizer)
                 _zero_grad(trainer.modules[0], trainer.optimizer)
     return _breakdown(account, setup, trainer.role)
+
+
+def _offloaded(ctx: RunContext) -> tuple[RunContext, frozenset[str]]:
+    """The context the step runs under, and the categories CPU offload holds in host memory.
+
+    FSDP2's offload_params keeps the sharded weights, their gradients and the optimizer (its
+    state and its step) in host memory, and gathers and reduce-scatters on the device, as
+    without offload. torch's offload path needs a CUDA device, so the step runs FSDP2 without
+    it and counts those categories as host memory.
+    """
+    fsdp = ctx.wrap.fsdp
+    if fsdp is None or not fsdp.offload_params or ctx.wrap.deepspeed is not None:
+        return ctx, frozenset()
+    wrap = replace(ctx.wrap, fsdp=replace(fsdp, offload_params=False))
+    return replace(ctx, wrap=wrap), frozenset({"parameters", "gradients", "optimizer_state"})
+
+
+def _deepspeed_offload(account: MemoryAccount, engine: Any) -> frozenset[str]:
+    """The categories a DeepSpeed engine's offload holds in host memory, its host tensors
+    named as such: the optimizer's fp32 master partitions and their gradient buffers count as
+    optimizer state (ZeRO's own term), and under ZeRO-3's parameter offload, the partitions of
+    the weights as parameters."""
+    host = set()
+    if engine.zero_offload_optimizer():
+        inner = engine.optimizer.optimizer
+        masters = [p for group in inner.param_groups for p in group["params"]]
+        account.track([*masters, *(p.grad for p in masters)], "optimizer_state")
+        host.add("optimizer_state")
+    if engine.zero_offload_param():
+        account.track([p.ds_tensor for p in engine.module.parameters()], "parameters")
+        host.add("parameters")
+    return frozenset(host)
 
 
 def _trainer(ctx: RunContext, spec: StepSpec) -> Trainer:
