@@ -12,7 +12,6 @@ copy) and every estimate must be within 10% of the measured peak of every rank o
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from accel.estimate import _plan
 from accel.estimate._spec import StepSpec
 from accel.estimate._step import run_steps
 from accel.testing import run_world
+from tests.dist.test_deepspeed_dist import _launcher_env
 from tests.models import TP_PLAN, Llama
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -129,17 +129,6 @@ def layouts(folder: str) -> dict[str, tuple[Config, str]]:
 
 def _spec(optimizer: str) -> StepSpec:
     return StepSpec(build=small_llama, batch=BATCH, optimizer=optimizer, tp_plan=TP_PLAN)
-
-
-def _launcher_env(ctx: accel.RunContext) -> None:
-    """What torchrun (accel launch) exports and DeepSpeed reads; run_world's ranks lack it."""
-    for key, value in (
-        ("RANK", ctx.rank),
-        ("LOCAL_RANK", ctx.local_rank),
-        ("WORLD_SIZE", ctx.world_size),
-        ("LOCAL_WORLD_SIZE", ctx.world_size),
-    ):
-        os.environ[key] = str(value)  # this spawned rank's own environment  # fmt: skip
 
 
 def _measure(ctx: accel.RunContext, folder: str, names: list[str]) -> dict[str, tuple[int, int]]:
