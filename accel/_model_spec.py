@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,19 +40,22 @@ def model_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
     except Exception as err:  # the user's module: any error while importing it is reported
         raise ValueError(f"model={spec!r} cannot be loaded: {first_line(err)}") from err
 
-    def build() -> nn.Module:
-        try:
-            model = factory()
-        except Exception as err:  # the user's callable: reported in one line, not a traceback
-            raise ValueError(
-                f"model={spec!r} could not be built: {module_name}.{attr}() raised "
-                f"{first_line(err)}"
-            ) from err
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model={spec!r} returned a {type(model).__name__}, not an nn.Module.")
-        return model
+    # partial of a module-level function: the builder pickles (the estimate sends it to a
+    # child process under DeepSpeed), where a closure would not
+    return functools.partial(_build_named, spec, factory), ""
 
-    return build, ""
+
+def _build_named(spec: str, factory: Callable[[], Any]) -> nn.Module:
+    try:
+        model = factory()
+    except Exception as err:  # the user's callable: reported in one line, not a traceback
+        module_name, _, attr = spec.partition(":")
+        raise ValueError(
+            f"model={spec!r} could not be built: {module_name}.{attr}() raised {first_line(err)}"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={spec!r} returned a {type(model).__name__}, not an nn.Module.")
+    return model
 
 
 def _hf_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
@@ -76,7 +81,4 @@ def _hf_factory(spec: str) -> tuple[Callable[[], nn.Module], str]:
     except Exception as err:  # transformers' own errors, for a config it cannot read
         raise ValueError(f"model={spec!r} could not be built: {first_line(err)}") from err
 
-    def build() -> nn.Module:
-        return make(config)  # type: ignore[no-any-return]
-
-    return build, name
+    return functools.partial(make, config), name

@@ -307,6 +307,10 @@ def _add_estimate(commands: Any, argv: Sequence[str]) -> None:
          ".loss, else token cross entropy"),
         ("tp_plan", "'package.module:name' of wrap_model's tp_plan (default: auto, a Hugging "
          "Face model's own)"),
+        ("microbatches", "with a pp size > 1: microbatches a step splits the batch into "
+         "(default: one per stage)"),
+        ("pp_schedule", "with a pp size > 1: pipeline_stages' schedule (1f1b, the default; "
+         "gpipe, interleaved_1f1b, zbv, ...)"),
     )  # fmt: skip
     for name, text in own:
         _add_flag(estimate, name, default=None, metavar="VALUE", help=text)

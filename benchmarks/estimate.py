@@ -13,6 +13,7 @@ Markdown; nothing is downloaded.
 
     python benchmarks/estimate.py               # everything (minutes: the 8B model)
     python benchmarks/estimate.py --only worked  # the worked example
+    python benchmarks/estimate.py --only profile # where one estimate's seconds go (8B, 8 ranks)
 """
 
 from __future__ import annotations
@@ -134,14 +135,61 @@ def worked() -> None:
               f"| {seconds:.1f} |")  # fmt: skip
 
 
+# (label, file suffix, function name): cProfile's cumulative seconds of each part of one estimate
+_PARTS = (
+    ("imports on first use (transformers, torch.distributed.tensor, ...)", "", "<module>"),
+    ("the model built on fake tensors", "benchmarks/estimate.py", "llama_8b"),
+    ("wrap_model (FSDP2 per block)", "accel/parallel/__init__.py", "wrap_model"),
+    ("the optimizer's state (one step over zero gradients)", "accel/estimate/_step.py", "_prime"),
+    ("forward and backward", "accel/estimate/_step.py", "forward_backward"),
+    ("the optimizer step", "accel/precision.py", "optimizer_step"),
+    ("  of which DTensor sharding propagation, not cached", "_sharding_prop.py",
+     "propagate_op_sharding_non_cached"),
+    ("  of which accel's account (its own time)", "accel/estimate/_account.py",
+     "__torch_dispatch__"),
+)  # fmt: skip
+
+
+def profile() -> None:
+    """Where the seconds of one estimate go: the 8B model on 8 ranks (FSDP2), the process cold
+    as the command's is (imports and torch's caches on first use included)."""
+    import cProfile
+    import pstats
+
+    build, batch, block = MODELS["Llama-3 8B shape"]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, seconds = timed(build, batch, fsdp(8, block))
+    profiler.disable()
+    stats: dict[Any, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+
+    def cumulative(suffix: str, name: str) -> float:
+        found = [v[3] for (file, _, fn), v in stats.items()
+                 if fn == name and file.endswith(suffix)]  # fmt: skip
+        # <module>: the outermost imports only (nested ones are inside them)
+        return max(found, default=0.0) if name == "<module>" else sum(found)
+
+    inner = cumulative("accel/estimate/_fake.py", "__torch_dispatch__")
+    print(f"\nOne estimate of the 8B model on 8 ranks (FSDP2): {seconds:.1f} s\n")
+    print("| part | seconds | share |")
+    print("|---|---|---|")
+    for label, suffix, name in _PARTS:
+        part = cumulative(suffix, name)
+        if name == "__torch_dispatch__":
+            part -= inner  # the account's dispatch wraps the fake one: its own time is the rest
+        print(f"| {label} | {part:.1f} | {part / seconds:.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("compare", "worked"))
+    parser.add_argument("--only", choices=("compare", "worked", "profile"))
     args = parser.parse_args()
     if args.only in (None, "compare"):
         compare()
     if args.only in (None, "worked"):
         worked()
+    if args.only in (None, "profile"):
+        profile()
 
 
 if __name__ == "__main__":

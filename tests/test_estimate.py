@@ -16,8 +16,10 @@ from torch import nn
 
 import accel
 from accel.config import Config
+from accel.estimate import _plan
 from accel.estimate._account import MemoryAccount
 from accel.estimate._fake import fake_tensors, fake_world
+from accel.estimate._spec import StepSpec
 from tests.models import TP_PLAN, Llama
 
 
@@ -100,13 +102,44 @@ def test_tensor_parallel_splits_the_weights() -> None:
         (Config(num_processes=3, num_machines=2), r"num_processes=3 is not divisible by "
          r"num_machines=2"),
         (Config(num_processes=2, mixed_precision="fp8"), r"fp8.*--mixed_precision bf16"),
-        (Config(num_processes=2, distributed_type="DEEPSPEED"), r"DEEPSPEED is not estimated"),
+        (Config(num_processes=2, distributed_type="DEEPSPEED"),
+         r"child process .* pass module-level functions .*not lambdas"),
     ],
 )  # fmt: skip
 def test_a_layout_that_cannot_work_is_one_line(config: Config, match: str) -> None:
     with pytest.raises((ValueError, NotImplementedError), match=match) as err:
-        accel.estimate_memory(small, (2, 16), config=config, device="cpu")
+        accel.estimate_memory(lambda: small(), (2, 16), config=config, device="cpu")
     assert "\n" not in str(err.value)
+
+
+PP2 = Config(num_processes=2, parallelism_config=(("parallelism_config_pp_size", 2),))
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        ({"microbatches": 3}, r"microbatches=3 does not divide the batch's 2 rows"),
+        ({"microbatches": 0}, r"microbatches=0 must be an int >= 1"),
+        ({"schedule": "pipedream"}, r"schedule='pipedream' is not supported .*expected one of"),
+    ],
+)
+def test_a_pipeline_that_cannot_run_is_one_line(keywords: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        accel.estimate_memory(small, (2, 16), config=PP2, device="cpu", **keywords)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_are_shown_apart_and_the_head_is_named() -> None:
+    one = accel.estimate_memory(small, (2, 16), config=PP2, device="cpu")
+    assert one.strategy == "pp+none"
+    assert [(r.role, r.ranks) for r in one.ranks] == [
+        ("pp stage 0", (0,)), ("pp stage 1 (last: the head)", (1,))]  # fmt: skip
+    assert all(r.peak_phase == "pipeline" for r in one.ranks)
+    # the V schedule: rank 0 holds the first and the last stage (the head), rank 1 the middle
+    v = accel.estimate_memory(lambda: Llama(vocab=128, dim=32, heads=4, layers=4), (4, 16),
+                              config=PP2, schedule="zbv", microbatches=2, device="cpu")  # fmt: skip
+    assert [r.role for r in v.ranks] == ["pp stages 0, 3 (last: the head)", "pp stages 1, 2"]
 
 
 class DataDependent(nn.Module):
@@ -145,3 +178,39 @@ def test_bad_input_is_one_line_naming_what_to_change() -> None:
         accel.estimate_memory(small, (2, 16), device="tpu")
     with pytest.raises(ValueError, match=r"model='nomodule:x' cannot be loaded"):
         accel.estimate_memory("nomodule:x", (2, 16), device="cpu")
+
+
+ZERO2 = Config(num_processes=2, distributed_type="DEEPSPEED", deepspeed_config=(("zero_stage", 2),))
+
+
+# DeepSpeed 0.19's engine, run in this process, calls a collective torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")
+@pytest.mark.slow
+def test_a_deepspeed_rank_runs_in_a_child_process_told_its_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    child = accel.estimate_memory(small, (2, 16), config=ZERO2, device="cpu")
+    assert child.strategy == "deepspeed" and child.ranks[0].ranks == (0, 1)
+    # DeepSpeed's default reduce bucket, 5e8 elements in fp32: what the run would allocate
+    assert child.peak > 5e8 * 4
+    # the same rank played in this process, its environment naming it for the while
+    layout = _plan.layout(ZERO2)
+    with monkeypatch.context() as env:
+        for key, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 2),
+                           ("LOCAL_WORLD_SIZE", 2)):  # fmt: skip
+            env.setenv(key, str(value))
+        here = _plan.estimate_rank(layout, 0, StepSpec(build=small, batch=(2, 16)), round_to=1)
+    assert (child.ranks[0].peak, child.ranks[0].host) == (here.peak, here.host)
+
+
+@pytest.mark.slow
+def test_fsdp2_offload_holds_weights_gradients_and_optimizer_state_in_host_memory() -> None:
+    def fsdp(offload: bool) -> Config:
+        return Config(num_processes=2, distributed_type="FSDP",
+                      fsdp_config=(("fsdp_offload_params", offload),))  # fmt: skip
+
+    on, off = (accel.estimate_memory(small, (2, 16), config=fsdp(o), device="cpu").ranks[0]
+               for o in (True, False))  # fmt: skip
+    assert off.host == 0 and on.host >= off.parameters + off.optimizer_state
+    assert on.parameters == on.gradients == on.optimizer_state == 0
+    assert on.peak < off.peak and on.peak == on.activations + on.communication

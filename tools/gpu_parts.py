@@ -306,7 +306,8 @@ def check_estimate() -> dict[str, Any]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     if not gpu:  # the dry run: the code path, measured by the account on the CPU
-        from accel.estimate._step import StepSpec, run_steps
+        from accel.estimate._spec import StepSpec
+        from accel.estimate._step import run_steps
 
         spec = StepSpec(build=lambda: plumbing.make_llama(sizes), batch=(sizes.batch, sizes.seq))
         measured = run_steps(accel.RunContext.single(device="cpu", precision="bf16"), spec).peak

@@ -85,6 +85,14 @@ def _batch(spec: str) -> Any:
     )
 
 
+def _count(flag: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"--{flag}={value!r} is not a whole number; pass e.g. --{flag} 4.")
+    return int(value)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.batch is None:
         return _sizes(args)
@@ -101,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer=_named("optimizer", optimizer) if ":" in optimizer else optimizer,
         loss=_named("loss", args.loss) if args.loss else None,
         tp_plan=_named("tp_plan", args.tp_plan) if args.tp_plan else None,
+        microbatches=_count("microbatches", args.microbatches),
+        schedule=args.pp_schedule or "1f1b",
         device=args.device,
     )
     if args.json:
@@ -115,4 +125,7 @@ def run(args: argparse.Namespace) -> int:
         f"{optimizer}, counted for {estimate.device}:\n"
     )
     print(estimate.table())
+    if any(r.host for r in estimate.ranks):
+        print("\nhost: what CPU offload holds in host memory at its peak (not in the device's "
+              "columns or peak).")  # fmt: skip
     return 0

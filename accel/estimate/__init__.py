@@ -22,8 +22,8 @@ from torch import nn
 from accel._model_spec import model_factory
 from accel._parallelism import Parallelism
 from accel.config import Config
-from accel.estimate import _plan
-from accel.estimate._step import OptimizerSpec, StepSpec, Usage, check_optimizer_spec
+from accel.estimate import _child, _plan
+from accel.estimate._spec import OptimizerSpec, StepSpec, Usage, check_optimizer_spec
 
 __all__ = ["MemoryEstimate", "RankMemory", "estimate_memory"]
 
@@ -51,7 +51,10 @@ class RankMemory:
     """Collective buffers at the peak: FSDP2's gathered parameters and its all-gather and
     reduce-scatter buffers, DDP's buckets."""
     peak: int
-    """The most the rank holds at once: the sum of the above."""
+    """The most the rank holds at once on its device: the sum of the above."""
+    host: int
+    """Host (CPU) memory at its peak under CPU offload: the offloaded weights, gradients and
+    optimizer state (their bytes are not in the device's columns); 0 without offload."""
     peak_phase: str
     """Where the peak falls: "forward", "backward" or "optimizer"."""
 
@@ -86,15 +89,17 @@ class MemoryEstimate:
         return out
 
     def table(self) -> str:
-        """A Markdown table: one row per role, sizes in GiB."""
+        """A Markdown table: one row per role, sizes in GiB (a host column under offload)."""
+        offload = any(r.host for r in self.ranks)
         head = ("role", "ranks", "parameters", "gradients", "optimizer state", "activations",
-                "communication", "peak")  # fmt: skip
+                "communication", "peak", *(("host (offloaded)",) if offload else ()))  # fmt: skip
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.ranks:
             sizes = (r.parameters, r.gradients, r.optimizer_state, r.activations,
                      r.communication)  # fmt: skip
             cells = [r.role, _ranks(r.ranks), *(gib(s) for s in sizes)]
             cells.append(f"**{gib(r.peak)}** ({r.peak_phase})")
+            cells += [gib(r.host)] if offload else []
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -120,6 +125,8 @@ def estimate_memory(
     optimizer: OptimizerSpec = "adamw",
     loss: Callable[[Any, Any], torch.Tensor] | None = None,
     tp_plan: Any = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
     device: str = "cuda",
 ) -> MemoryEstimate:
     """Estimate each rank's memory for one training step of a layout, on this CPU.
@@ -148,6 +155,10 @@ def estimate_memory(
             token ids, else the output's mean.
         tp_plan: wrap_model's `tp_plan` under tensor parallelism; default "auto" (the Hugging
             Face model's own plan).
+        microbatches: under pipeline parallelism (pp > 1), what `pipeline_stages` is given:
+            the microbatches each step splits the batch into (default: one per stage).
+        schedule: under pipeline parallelism, `pipeline_stages`' schedule ("1f1b", "gpipe",
+            "interleaved_1f1b", "zbv", ...); the stages are cut evenly by repeated blocks.
         device: the device type the run will use: "cuda" rounds each tensor to the CUDA
             allocator's 512-byte blocks; "cpu" counts bytes as they are.
 
@@ -178,16 +189,22 @@ def estimate_memory(
         )
     check_optimizer_spec(optimizer)
     layout = _plan.layout(config)
+    if layout.parallelism.pp > 1:
+        _plan.check_microbatches(microbatches, batch)
     build, _ = model_factory(model) if isinstance(model, str) else (model, "")
     spec = StepSpec(build=build, batch=batch, optimizer=optimizer, loss=loss, tp_plan=tp_plan,
+                    microbatches=microbatches, schedule=schedule,
                     device_type=device)  # fmt: skip
     round_to = _CUDA_BLOCK if device == "cuda" else 1
+    # DeepSpeed reads its rank from the environment: such a rank runs in a child told it
+    estimate_rank = _child.estimate_in_child if layout.strategy == "deepspeed" else (
+        _plan.estimate_rank)  # fmt: skip
     roles = []
-    for role, ranks in _plan.roles(layout):
-        usage: Usage = _plan.estimate_rank(layout, ranks[0], spec, round_to=round_to)
+    for ranks in _plan.rank_groups(layout):
+        usage: Usage = estimate_rank(layout, ranks[0], spec, round_to=round_to)
         fields = {f.name: getattr(usage, f.name) for f in dataclasses.fields(RankMemory)
                   if hasattr(usage, f.name)}  # fmt: skip
-        roles.append(RankMemory(role=role, ranks=ranks, **fields))
+        roles.append(RankMemory(ranks=ranks, **fields))
     return MemoryEstimate(
         world_size=layout.world_size,
         parallelism=layout.parallelism,

@@ -29,7 +29,7 @@ activations, FSDP2's gathered parameters and every collective's buffers as commu
 
 _PHASE_CATEGORY = MappingProxyType(
     {"setup": "parameters", "forward": "activations", "backward": "activations",
-     "optimizer": "optimizer_state"}
+     "optimizer": "optimizer_state", "pipeline": "activations"}
 )  # fmt: skip
 _c10d = torch.ops.c10d
 # In-place collectives: what their first argument (output or buffer) and second (the buffer
@@ -38,6 +38,7 @@ _COLLECTIVES = MappingProxyType(
     {
         _c10d._reduce_scatter_base_.default: ("gradients", "communication"),
         _c10d.reduce_scatter_tensor_coalesced_.default: ("gradients", "communication"),
+        _c10d.reduce_.default: ("gradients",),  # DeepSpeed's ZeRO-1/2 gradient bucket
         **dict.fromkeys(
             (_c10d._allgather_base_.default, _c10d.allreduce_.default, _c10d.broadcast_.default,
              _c10d.allgather_.default, _c10d.reduce_scatter_.default,
@@ -68,9 +69,12 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
     1 counts bytes as they are.
     """
 
-    def __init__(self, *, round_to: int = 1) -> None:
+    def __init__(self, *, round_to: int = 1, host: frozenset[str] = frozenset()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.round_to = round_to
+        self.host = host
+        """Categories held in host memory (CPU offload): outside the device's peak."""
+        self.host_peak = 0
         self.phase = "setup"
         self.now = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict(self.now)
@@ -82,7 +86,8 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @property
     def total(self) -> int:
-        return sum(self.now.values())
+        """Bytes on the device now (every category but those in host memory)."""
+        return sum(v for c, v in self.now.items() if c not in self.host)
 
     @property
     def peak_total(self) -> int:
@@ -130,6 +135,12 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
         self.now[category] += size
 
+    def _add_buffer(self, storage: torch.UntypedStorage, role: str) -> None:
+        """A collective's buffer: counted under `role`, unless it holds the weights (DeepSpeed
+        gathers its updated partitions straight into the flat weights they are views of)."""
+        entry = self._live.get(id(storage))
+        self._add(storage, role, move=entry is None or entry[1] != "parameters")
+
     def set_aside(self, weights: Iterable[Any]) -> None:
         """Move what setup made beyond `weights` (DDP's buckets) to communication."""
         mine = {id(s) for t in weights if isinstance(t, torch.Tensor) for s in storages(t)}
@@ -141,8 +152,15 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _check_peak(self) -> None:
         if self.total > self.peak_total:
-            self.peak = dict(self.now)
+            self.peak = {c: 0 if c in self.host else v for c, v in self.now.items()}
             self.peak_phase = self.phase
+        self.host_peak = max(self.host_peak, sum(self.now[c] for c in self.host))
+
+    def restart_peak(self, phase: str) -> None:
+        """Start the peaks again from what is held now."""
+        self.peak = {c: 0 if c in self.host else v for c, v in self.now.items()}
+        self.peak_phase = phase
+        self.host_peak = sum(self.now[c] for c in self.host)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Update a storage after `UntypedStorage.resize_` (which no dispatch mode sees)."""
@@ -170,7 +188,7 @@ class MemoryAccount(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 for t in tree_leaves(arg):
                     if isinstance(t, torch.Tensor):
                         for storage in storages(t):
-                            self._add(storage, role, move=True)
+                            self._add_buffer(storage, role)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for storage in storages(t):

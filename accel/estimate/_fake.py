@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -68,12 +73,25 @@ def _is_float(t: torch.Tensor) -> bool:
 
 
 class _RealIntegers(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Run an operator for real when no fake tensor takes part and it makes no float tensor."""
+    """Run an operator for real when no fake tensor takes part and it makes no float tensor.
+
+    With `zero_reads`, reading a fake tensor's value (`.item()`) gives zero (False, 0, 0.0)
+    instead of an error.
+    """
+
+    def __init__(self, *, zero_reads: bool = False) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.zero_reads = zero_reads
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(is_fake(t) for t in tensors):
+            if self.zero_reads and func is torch.ops.aten._local_scalar_dense.default:
+                try:  # a fake tensor that holds a known constant (a step count) answers it
+                    return func(*args, **kwargs)
+                except DataDependentOutputException:
+                    return _zero(tensors[0].dtype)
             return func(*args, **kwargs)
         if tensors and not any(_is_float(t) for t in tensors):
             with unset_fake_temporarily():
@@ -85,10 +103,20 @@ class _RealIntegers(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
+def _zero(dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[FakeTensorMode]:
-    """Make floating-point tensors created inside fake (see the module's docstring)."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _RealIntegers():  # type: ignore[no-untyped-call]
+def fake_tensors(*, zero_reads: bool = False) -> Iterator[FakeTensorMode]:
+    """Make floating-point tensors created inside fake (see the module's docstring).
+
+    `zero_reads`: a value read from a fake tensor is zero instead of an error (for an engine
+    whose step reads a finite-gradient check: zero is a healthy step's answer).
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _RealIntegers(zero_reads=zero_reads):
         yield mode
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,7 +20,8 @@ from accel._options import context_values
 from accel._parallelism import Parallelism
 from accel.context import RunContext
 from accel.estimate._fake import fake_tensors, fake_world
-from accel.estimate._step import StepSpec, Usage, run_steps
+from accel.estimate._spec import StepSpec, Usage
+from accel.estimate._step import run_steps
 
 # Where a layout's settings come from that RunContext sets itself.
 _OWN = frozenset({"device", "parallelism"})
@@ -55,13 +57,6 @@ def layout(config: _config.Config | str | os.PathLike[str] | None) -> Layout:
     sizes = settings.get("parallelism", (Parallelism(dp_replicate=world), ""))[0]
     resolved = sizes.resolve(world)  # the error accel launch gives for sizes that do not fill
     values = {k: v for k, (v, _) in settings.items() if k not in _OWN}
-    if values.get("deepspeed") is not None:
-        raise NotImplementedError(
-            "estimate_memory: distributed_type DEEPSPEED is not estimated: DeepSpeed's engine "
-            "reads its rank from the LOCAL_RANK variable and builds its own buffers outside the "
-            "fake world; estimate the FSDP2 layout of the same sharding (ZeRO-3: --use_fsdp, "
-            "ZeRO-2: --use_fsdp --fsdp_reshard_after_forward false)."
-        )
     if values.get("precision") == "fp8":
         raise NotImplementedError(
             "estimate_memory: mixed_precision='fp8' (torchao's float8 Linear layers) is not "
@@ -89,18 +84,29 @@ def _strategy(p: Parallelism, values: dict[str, Any]) -> str:
     return f"pp+{data}" if p.pp > 1 else data
 
 
-def roles(layout: Layout) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(role, its ranks) for each distinct role: each pipeline stage, else every rank."""
+def rank_groups(layout: Layout) -> Iterator[tuple[int, ...]]:
+    """The ranks of each distinct role: each pp rank's (its stages differ), else every rank."""
     p, world = layout.parallelism, layout.world_size
-    if p.pp == 1:
-        yield "every rank", tuple(range(world))
+    per_stage = world // p.pp  # pp is the outermost mesh dimension: pp rank r's ranks are a run
+    for pp_rank in range(p.pp):
+        yield tuple(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
+
+
+def check_microbatches(microbatches: Any, batch: Any) -> None:
+    """Refuse microbatches that are not a count, or that do not divide a batch of that shape."""
+    if microbatches is None:
         return
-    per_stage = world // p.pp
-    for stage in range(p.pp):
-        name = f"pp stage {stage}"
-        if stage == p.pp - 1:
-            name += " (last: the head)"
-        yield name, tuple(range(stage * per_stage, (stage + 1) * per_stage))
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"estimate_memory: microbatches={microbatches!r} must be an int >= 1 (the "
+            "microbatches a pipeline step splits the batch into), e.g. microbatches=4."
+        )
+    if isinstance(batch, tuple) and batch and batch[0] % microbatches:
+        raise ValueError(
+            f"estimate_memory: microbatches={microbatches} does not divide the batch's "
+            f"{batch[0]} rows (batch={batch!r}); use a batch of a multiple of {microbatches} "
+            "rows, or microbatches dividing it."
+        )
 
 
 def context(layout: Layout, rank: int) -> RunContext:
@@ -119,12 +125,15 @@ def context(layout: Layout, rank: int) -> RunContext:
 
 def estimate_rank(layout: Layout, rank: int, spec: StepSpec, *, round_to: int) -> Usage:
     """Rank `rank`'s steps on fake tensors in a fake world of the layout's size."""
-    if layout.parallelism.pp > 1:
-        raise NotImplementedError(
-            f"estimate_memory: pp={layout.parallelism.pp} (pipeline stages) is not estimated "
-            "yet; estimate one stage's share with pp=1 and the stage's layers."
-        )
-    with fake_world(rank, layout.world_size), fake_tensors():
+    deepspeed = layout.strategy == "deepspeed"
+    with (
+        warnings.catch_warnings(),
+        fake_world(rank, layout.world_size),
+        fake_tensors(zero_reads=deepspeed),
+    ):
+        # DeepSpeed checks its partitions' alignment by address, which fake tensors do not have
+        # (torch warns; the check passes, as it does for the real, aligned partitions)
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         try:
             guarded = replace(spec, build=functools.partial(_build_fake, spec.build))
             return run_steps(context(layout, rank), guarded, round_to=round_to)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.context import RunContext, along
-from accel.parallel import _stages
+from accel.parallel import _schedule, _stages
 
 __all__ = ["PipelineStages", "pipeline_stages", "pipeline_step"]
 
@@ -185,6 +185,7 @@ def pipeline_stages(
     split_points: tuple[str, ...] | list[str] | None = None,
     stages_per_rank: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    example_inputs: Any = None,
 ) -> PipelineStages:
     """Keep this rank's pipeline stage(s) of `model` and build the schedule that runs them.
 
@@ -211,6 +212,11 @@ def pipeline_stages(
         stages_per_rank: stages on each rank for the multi-stage schedules (default 2).
         wrap: applied to each stage module before the schedule is built, e.g.
             `lambda m: accel.wrap_model(ctx, m)` for FSDP2 or tensor parallelism per stage.
+        example_inputs: one microbatch of the first stage's inputs (a tensor or a tuple):
+            every stage's input and output shapes are found from it on this rank, by one
+            forward of the whole model's stages in order (under the autocast you hold), and
+            given to torch's stages, which then do not learn them from their neighbours in
+            the first step. None: they learn them there.
 
     Returns:
         `PipelineStages`: this rank's (wrapped) stage modules, their stage ids, the schedule.
@@ -239,10 +245,18 @@ def pipeline_stages(
         )
     per_stage, per_rank = _split(ctx, model, split_points, stages_per_rank, schedule)
     ids = stage_ids(layout, ctx.pp_rank, ctx.pp_size, per_rank)
+    shapes = None
+    if example_inputs is not None and ctx.pp_size > 1:  # before wrapping: plain modules
+        every = [_stages.stage_module(model, units) for units in per_stage]
+        example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        shapes = _schedule.stage_shapes(every, example)
     modules = [_stages.stage_module(model, per_stage[i]) for i in ids]
     if wrap is not None:
         modules = [wrap(m) for m in modules]
-    built = _build_schedule(ctx, modules, ids, len(per_stage), schedule, microbatches, loss_fn)
+    built = _schedule.build_schedule(
+        ctx, modules, ids, len(per_stage), _SCHEDULES[schedule], microbatches, loss_fn,
+        shapes=shapes,
+    )  # fmt: skip
     mine = [unit for i in ids for unit in per_stage[i]]
     return PipelineStages(
         modules=tuple(modules),
@@ -254,46 +268,6 @@ def pipeline_stages(
         loss_fn=loss_fn,
         last_stage_rank=0 if layout == "v" else ctx.pp_size - 1,
     )
-
-
-def _build_schedule(
-    ctx: RunContext,
-    modules: list[nn.Module],
-    ids: tuple[int, ...],
-    num_stages: int,
-    schedule: str,
-    microbatches: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-) -> Any:
-    if ctx.pp_size == 1:
-        return None  # one stage on one rank: pipeline_step runs the microbatches itself
-    from torch.distributed.pipelining import PipelineStage, schedules
-
-    group = along(ctx, "pp").process_group
-    stages = [
-        PipelineStage(m, i, num_stages, ctx.device, group=group)
-        for m, i in zip(modules, ids, strict=True)
-    ]
-    for stage in stages:
-        _no_sends_to_self(stage, along(ctx, "pp").rank)
-    cls, layout = _SCHEDULES[schedule]
-    first = stages[0] if layout == "single" else stages
-    return getattr(schedules, cls)(first, microbatches, loss_fn=loss_fn)
-
-
-def _no_sends_to_self(stage: Any, own: int) -> None:
-    """Drop the schedule's warm-up sends between two stages of this rank.
-
-    Before the first step, each stage sends a dummy tensor to its neighbours to open the
-    connections. Under a V schedule (zbv, dualpipev) the middle two stages sit on one rank, and
-    torch 2.11's gloo cannot send to its own rank ("Pair is not connected"); a rank needs no
-    connection to itself, and the schedule passes activations between its own stages in memory.
-    """
-    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
-    if warm_up is not None:
-        stage._get_init_p2p_neighbors_ops = lambda: [
-            op for op in warm_up() if getattr(op, "group_peer", None) != own
-        ]
 
 
 def pipeline_step(

@@ -99,6 +99,14 @@ def test_a_layout_from_launch_flags_prints_each_role_and_json(tmp_path: Path) ->
     bad = run("--num_processes", "4", "--tp_size", "3")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "does not multiply to world_size=4" in bad.stderr
+    stages = run("--num_processes", "2", "--parallelism_config_pp_size", "2", "--microbatches", "2",
+                 "--pp_schedule", "gpipe")  # fmt: skip
+    assert stages.returncode == 0, stages.stderr
+    assert "| pp stage 0 | 0 |" in stages.stdout
+    assert "| pp stage 1 (last: the head) | 1 |" in stages.stdout
+    odd = run("--num_processes", "2", "--parallelism_config_pp_size", "2", "--microbatches", "3")
+    assert odd.returncode == 2 and len(odd.stderr.strip().splitlines()) == 1
+    assert "microbatches=3 does not divide the batch's 2 rows" in odd.stderr
 
 
 LLAMA = """

@@ -9,8 +9,9 @@ and `gather_for_metrics` count each sample once). After the steps
 every parameter equals the reference's within 1e-5 relative, the loss `pipeline_step` returns
 on every rank (averaged over dp) equals the reference loss, and `clip_grad_norm_` returns the
 whole model's norm on every rank. The same world saves a run at pp=2 x dp_shard=2 and resumes
-it at pp=4; the test then resumes it in one process: the per-step losses continue as the
-uninterrupted run's and the parameters end equal.
+it at pp=4 (its stages given their shapes up front with `example_inputs`); the test then
+resumes it in one process: the per-step losses continue as the uninterrupted run's and the
+parameters end equal.
 """
 
 from __future__ import annotations
@@ -113,8 +114,12 @@ def _resume_part(ctx: accel.RunContext, parallelism: Parallelism, data: torch.Te
     ctx = with_mesh(dataclasses.replace(ctx, parallelism=None, mesh=None), parallelism,
                     source="test")  # fmt: skip
     wrapper = (lambda m: accel.wrap_model(ctx, m)) if parallelism.dp_shard > 1 else None
+    # Resumed with the stages' shapes given up front (found here from one microbatch), saved
+    # without: both train as the one-process reference.
+    example = None if save else data[0, : GLOBAL_BATCH // ctx.dp_size // 4, :-1]
     stages = accel.pipeline_stages(ctx, make_model(layers=LAYERS), loss_fn=token_loss,
-                                   microbatches=4, wrap=wrapper)  # fmt: skip
+                                   microbatches=4, wrap=wrapper,
+                                   example_inputs=example)  # fmt: skip
     optimizer = torch.optim.SGD(stages.parameters(), lr=LR, momentum=0.9)
     if not save:
         accel.load_state(ctx, folder, model=stages.model, optimizer=optimizer)
