@@ -17,8 +17,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ __all__ = ["Preemption", "preemption"]
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 """Kubernetes' and torchrun's stop signal, and the one SLURM examples name in `--signal`."""
+RAY_NOTICE = "Ray Train's pre-emption notice"
+"""`stop.signal` when Ray Train's `get_preemption_info()` stopped the run."""
 
 
 class Preemption:
@@ -42,12 +45,16 @@ class Preemption:
             since `init_distributed` (e.g. "SIGTERM"), or None; only the ranks the signal
             reached have one.
         signal: once `requested()` is True, the name of a signal that stopped the run, the
-            same on every rank (the highest-numbered one any rank received); None before.
+            same on every rank (the highest-numbered one any rank received), or under Ray
+            Train "Ray Train's pre-emption notice"; None before.
     """
 
-    def __init__(self, ctx: RunContext, every: int) -> None:
+    def __init__(
+        self, ctx: RunContext, every: int, notice: Callable[[], object] | None = None
+    ) -> None:
         self._ctx = ctx
         self._every = every
+        self._notice = notice  # Ray Train's agreed pre-emption notice, asked instead of signals
         self._calls = 0
         self._agreed = False
         self.received: str | None = None
@@ -79,6 +86,10 @@ class Preemption:
         self._calls += 1
         if self._calls % self._every:
             return False
+        if self._notice is not None:  # the same answer on every worker: Ray agrees on it
+            self._agreed = self._notice() is not None
+            self.signal = RAY_NOTICE if self._agreed else None
+            return self._agreed
         number = int(signal.Signals[self.received]) if self.received is not None else 0
         if self._ctx.world_size > 1:
             value = torch.tensor([number], device=comm_device(self._ctx))
@@ -129,7 +140,10 @@ def preemption(
     """Within the block, a pre-emption signal on any rank stops every rank at the same step.
 
     Enter it on every rank, around the training loop, in the main thread (Python runs signal
-    handlers only there). Inside, each signal in `signals` only marks this rank; ask
+    handlers only there); inside a Ray Train training function (Ray runs it in a thread) the
+    block hears Ray's own pre-emption notice instead (`ray.train.get_preemption_info()`, which
+    Ray agrees across workers; a node drained for pre-emption sets it) and installs no signal
+    handler. Inside, each signal in `signals` only marks this rank; ask
     `stop.requested()` on every rank after each optimizer step, and when it says True save
     with `save_checkpoint` and leave the block (`break`, `return`, or `sys.exit()`). Leaving
     it after such a stop ends the process the way its engine reads "not finished, run me
@@ -169,8 +183,8 @@ def preemption(
         ValueError: for an unknown signal, SIGKILL or SIGSTOP, an `every` that is not an
             int >= 1, a `rerun` that is not one of the above, or rerun="requeue" outside a
             SLURM job.
-        RuntimeError: when entered in a thread other than the main thread; on leaving after
-            a stop, with rerun="raise".
+        RuntimeError: when entered in a thread other than the main thread, outside Ray Train;
+            on leaving after a stop, with rerun="raise" (Ray Train's default).
         SystemExit: on leaving after a stop, with the exit code (138 by default).
 
     Example:
@@ -190,18 +204,21 @@ def preemption(
             "make one check. Pass every=1 to check at every optimizer step."
         )
     plan = rerun_plan(ctx.sources, rerun)
-    if threading.current_thread() is not threading.main_thread():
+    notice = _ray_notice()
+    if notice is None and threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             f"preemption: entered in thread {threading.current_thread().name!r}; Python runs "
             "signal handlers only in the main thread. Enter it in the main thread, around the "
-            "training loop."
+            "training loop (under Ray Train, one whose ray.train has get_preemption_info)."
         )
-    stop = Preemption(ctx, every)
-    for sig in sigs:  # a signal init_distributed held during start-up is this block's now
-        held = signal.getsignal(sig)
-        if isinstance(held, HeldSignal) and (taken := held.take()) and stop.received is None:
-            stop.received = taken
-    previous = {sig: signal.signal(sig, stop._on_signal) for sig in sigs}
+    stop = Preemption(ctx, every, notice)
+    previous: dict[signal.Signals, Any] = {}
+    if notice is None:  # Ray Train's workers hear Ray's notice; every other process, signals
+        for sig in sigs:  # a signal init_distributed held during start-up is this block's now
+            held = signal.getsignal(sig)
+            if isinstance(held, HeldSignal) and (taken := held.take()) and stop.received is None:
+                stop.received = taken
+        previous = {sig: signal.signal(sig, stop._on_signal) for sig in sigs}
     try:
         yield stop
     except SystemExit as err:
@@ -218,7 +235,7 @@ def preemption(
 def _end(ctx: RunContext, stop: Preemption, plan: RerunPlan) -> None:
     """End a stopped run the way `plan` says: requeue, raise, or exit with its code."""
     what = f"pre-empted by {stop.signal}"
-    for sig in {*HELD_SIGNALS, *_signals(DEFAULT_SIGNALS)}:
+    for sig in {*HELD_SIGNALS, *_signals(DEFAULT_SIGNALS)} if stop._notice is None else ():
         # Saved and ending: a later stop signal changes nothing (SLURM ends a requeued job's
         # steps with SIGTERM); the exit code stays the plan's, and the engine's SIGKILL bounds it.
         signal.signal(sig, signal.SIG_IGN)
@@ -241,6 +258,25 @@ def _end(ctx: RunContext, stop: Preemption, plan: RerunPlan) -> None:
             flush=True,
         )
     raise SystemExit(plan.exit_code)
+
+
+def _ray_notice() -> Callable[[], object] | None:
+    """Ray Train's `get_preemption_info` inside one of its training functions, else None.
+
+    Ray Train (2.60) runs the training function in a thread of its worker process, where Python
+    runs no signal handler, and hears of a pre-emption itself: a node being drained for
+    pre-emption (a spot reclaim, `ray drain-node`) is marked on every worker, and
+    `get_preemption_info()` answers the same on every worker (it is a barrier across them).
+    """
+    train = sys.modules.get("ray.train")  # only where Ray Train started this process's group
+    notice = getattr(train, "get_preemption_info", None)
+    if train is None or notice is None:
+        return None
+    try:
+        train.get_context()
+    except RuntimeError:  # not inside a training function Ray Train runs
+        return None
+    return notice  # type: ignore[no-any-return]
 
 
 def _requeue(what: str, plan: RerunPlan) -> None:

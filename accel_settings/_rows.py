@@ -50,6 +50,9 @@ class Setting:
     allowed: tuple[tuple[Any, ...], str] | None = None
     """For a key accel accepts only at the value it already applies: (the values, why), so
     another value is refused naming the key and the reason (fsdp_version: only 2)."""
+    per_machine: bool = False
+    """A machine's own value (its rank, its GPUs, how it names machine 0): `accel launch` on
+    several machines compares every other setting across the machines before training."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 import accel
 from accel._rerun import PREEMPTED_EXIT_CODE, HeldSignal, hold_signals, plan_rerun, release_signals
+from accel.preemption import Preemption
 
 KUBERNETES = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "RANK": "0", "WORLD_SIZE": "2"}
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2"}
@@ -110,3 +112,30 @@ def test_a_signal_held_since_start_up_stops_the_first_step(default_handlers: Non
         assert not again.requested()  # taken once
     release_signals()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_with_a_notice_the_stop_asks_it_instead_of_combining_signals() -> None:
+    # What accel.preemption gives the stop inside a Ray Train worker: ray.train's
+    # get_preemption_info, agreed across workers by Ray (the Ray run is in
+    # tests/dist/test_ray_train_dist.py); every `every`-th call asks it.
+    answers = iter([None, {"preempted_ranks": [0, 1]}])
+    stop = Preemption(accel.RunContext(), 2, notice=lambda: next(answers))
+    assert [stop.requested() for _ in range(4)] == [False, False, False, True]
+    assert stop.signal == "Ray Train's pre-emption notice" and stop.received is None
+    assert stop.requested()  # stays True without asking again
+
+
+def test_outside_the_main_thread_without_ray_it_is_refused() -> None:
+    failed: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            with accel.preemption(accel.RunContext()):
+                pass
+        except RuntimeError as err:
+            failed.append(err)
+
+    thread = threading.Thread(target=enter, name="loop")
+    thread.start()
+    thread.join()
+    assert len(failed) == 1 and "entered in thread 'loop'" in str(failed[0])

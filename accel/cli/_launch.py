@@ -24,7 +24,7 @@ from typing import Any
 from accel import config as _config
 from accel._rerun import PREEMPTED_EXIT_CODE
 from accel._settings.table import build, environment
-from accel.cli import _signals
+from accel.cli import _preflight, _signals
 from accel.cli._accelerate_env import accelerate_environment
 from accel.cli._script import check_script, misplaced_flags, uses_trainer
 from accel_settings import KEYS, SECTIONS, Setting
@@ -143,9 +143,9 @@ def torchrun_argv(config: _config.Config, args: argparse.Namespace) -> list[str]
                 f"num_machines={machines} needs --main_process_ip and a non-zero "
                 "--main_process_port that every machine can reach (machine 0's address)."
             )
+        # The port is checked by the preflight (accel/cli/_preflight.py), which binds it on
+        # machine 0 first and tells a second machine_rank 0 from another program there.
         if config.rdzv_backend == "static":
-            if config.machine_rank == 0:
-                _check_port_free(port)
             argv += [
                 "--node-rank", str(config.machine_rank),
                 "--master-addr", config.main_process_ip, "--master-port", str(port),
@@ -250,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
     argv = torchrun_argv(config, args)
     check_script(args.script, module=args.module)  # one line here, not one error per worker
     _warn_misplaced_flags(args)
+    if config.num_machines > 1:  # every machine against the others, before anything waits
+        failures = _preflight.preflight(config)
+        if failures:
+            print("\n".join(failures), file=sys.stderr)
+            return 1
     # This is the launcher process, not library code: the workers inherit its environment,
     # which is the documented channel to init_distributed (see accel.config).
     os.environ.update({**worker_environment(config, settings), **_AGENT_ENVIRONMENT})
