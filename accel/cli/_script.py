@@ -55,8 +55,11 @@ def _find_module(name: str) -> importlib.machinery.ModuleSpec | None:
     """
     top, *rest = name.split(".")
     spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
-    if spec is None:
-        spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin is None:
+        # Nothing there, or a folder without __init__.py (a namespace portion, such as a
+        # checkout named like the package): Python keeps looking, and a regular package or
+        # module found on the path wins over it.
+        spec = importlib.util.find_spec(top) or spec
     for part in rest:
         locations = spec.submodule_search_locations if spec is not None else None
         if not locations:

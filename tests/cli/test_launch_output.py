@@ -253,3 +253,18 @@ def test_accel_test_says_nothing_about_transformers_trainer(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr
     assert "accel test: passed" in out.stdout
     assert "Trainer" not in out.stderr, out.stderr
+
+
+def test_a_folder_named_like_an_installed_package_does_not_hide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout (or any folder without __init__.py) named `accel` in the working folder is a
+    namespace portion, which `python -m` passes over for the installed package: `accel test`
+    run beside a checkout found `accel.cli._selftest_worker` missing."""
+    from accel.cli._script import check_script
+
+    (tmp_path / "accel").mkdir()
+    monkeypatch.chdir(tmp_path)
+    check_script("accel.cli._selftest_worker", module=True)  # found: no error
+    with pytest.raises(ValueError, match="no module 'accel.cli.missing' in package 'accel.cli'"):
+        check_script("accel.cli.missing", module=True)
