@@ -4,7 +4,7 @@ then COMPLETED once, as SLURM records it, bit for bit equal to the same job unin
 
 - the shipped examples/slurm.sbatch (one `accel launch` per node through srun), stopped by
   `scancel --signal=USR1`;
-- `srun -n 2 python train.py` (no launcher), stopped by SLURM's own `--signal=USR1@20`
+- `srun -n 2 python train.py` (no launcher), stopped by SLURM's own `--signal=USR1@60`
   near its time limit;
 - an administrator's `scontrol requeue` of a running job (SLURM sends SIGTERM);
 - the same `srun -n 2` job uninterrupted: COMPLETED, never requeued, the reference.
@@ -130,10 +130,13 @@ def test_every_way_slurm_stops_a_job_ends_requeued_then_completed_bit_identical(
 ) -> None:
     ports = [int(port) for port in _ports(5)]
     reference = _srun_job(slurm, tmp_path / "reference", ports[0])
-    # SLURM sends --signal's signal up to 60 s early (its time-limit check runs every 30 s):
-    # under a 2-minute limit USR1@20 comes 40 to 70 s after the start; the first run lasts 72 s
-    time_limit = _srun_job(slurm, tmp_path / "time-limit", ports[1], "--time=2",
-                           "--signal=USR1@20", sleep=3.0)  # fmt: skip
+    # SLURM sends --signal's signal up to 60 s early (sbatch's manual; its time-limit check
+    # runs every 30 s): under a 3-minute limit USR1@60 comes 60 to 120 s after the start. The
+    # first run would last 24 steps of 6 s, past the latest signal, so it never ends by itself
+    # first (with 72 s it sometimes did, COMPLETED unrequeued), and a stop at the next step
+    # still leaves a minute before the limit.
+    time_limit = _srun_job(slurm, tmp_path / "time-limit", ports[1], "--time=3",
+                           "--signal=USR1@60", sleep=6.0)  # fmt: skip
     admin = _srun_job(slurm, tmp_path / "admin", ports[2])
     example_ref = _example_job(slurm, tmp_path / "example-reference", ports[3])
     example = _example_job(slurm, tmp_path / "example", ports[4])
@@ -146,7 +149,7 @@ def test_every_way_slurm_stops_a_job_ends_requeued_then_completed_bit_identical(
     _when(_progress(tmp_path / "admin", 3), slurm, admin, "the admin job's third step")
     requeue = slurm.run("scontrol", "requeue", admin)
     assert requeue.returncode == 0, requeue.stderr
-    # --signal=USR1@20 under a two-minute limit: SLURM signals the tasks by itself; the
+    # --signal=USR1@60 under a three-minute limit: SLURM signals the tasks by itself; the
     # requeued run gets a longer limit, as an administrator would give it, lest SLURM signal
     # it again before it ends
     _when(lambda: slurm.job(time_limit)["Restarts"] == "1", slurm, time_limit, "the requeue")
