@@ -10,10 +10,15 @@ abort, a segfault) prints each thread's Python stack (`faulthandler`) before the
 Stdlib only: nothing is imported before the script that the script itself would not import,
 except under `ACCEL_DEVICE_CANARY=1`, which runs the script inside
 `accel.testing.device_canary()`.
+
+At exit, after the script's own exit hooks, a script that imported `torch.distributed` gets
+accel's gloo drain (`accel._exit`): a group accel never saw (Accelerate's, transformers'
+Trainer's, the script's own `init_process_group`) could otherwise abort the finished worker.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -71,12 +76,29 @@ def _canary(value: str) -> contextlib.AbstractContextManager[object]:
     return device_canary()
 
 
+def _drain_gloo_at_exit() -> None:
+    """Let gloo's worker threads finish releasing tensors before the interpreter finalizes.
+
+    accel registers the same drain with any group it creates or uses; a script that made its
+    group without accel (Accelerate's state, transformers' Trainer) has none, and a gloo thread
+    freeing the last collective's tensor during finalization ends the worker with SIGABRT
+    ("terminate called without an active exception"), as `accel._exit` explains. accel is
+    imported only here, at exit, and only when the script imported torch.distributed itself.
+    """
+    if "torch.distributed" not in sys.modules:
+        return
+    from accel._exit import drain_gloo_workers
+
+    drain_gloo_workers()
+
+
 def run(argv: Sequence[str]) -> None:
     """Run `script args...`, or `-m module args...`, as the worker's main program."""
     # A worker killed by a fatal signal (SIGABRT from C++, SIGSEGV) writes no Python traceback
     # and no error file: the agent learns only the signal. Have it print every thread's Python
     # stack first, so the launcher's output names the frame. The signal still ends the worker.
     faulthandler.enable(all_threads=True)
+    atexit.register(_drain_gloo_at_exit)  # first registered: it runs after the script's hooks
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
         with _canary(os.environ.get("ACCEL_DEVICE_CANARY", "")):

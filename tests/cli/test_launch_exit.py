@@ -122,3 +122,37 @@ def test_a_worker_that_aborts_prints_its_python_stack(tmp_path: Path) -> None:
         ("8", "abort_on_rank_1"),
         ("12", "<module>"),
     ], out.stderr
+
+
+# Issue 41 item 2, caught by faulthandler in a fresh-clone CI run: transformers' Trainer under
+# `accel launch` (tests/cli/test_trainer_launch.py) died at exit with "terminate called without
+# an active exception" on rank 1. Its gloo group is Accelerate's, made without accel, so the exit
+# guard accel registers with its own group never ran. This script makes the abort certain rather
+# than a few runs in a hundred: the last collective's tensor is freed by gloo's worker thread
+# (nobody waits on it), whose storage belongs to a Python object (a numpy array), while the main
+# thread keeps the GIL (a 1000 s switch interval) until finalization has begun.
+PLAIN_TORCH = """
+import sys, time
+import numpy as np
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # from torchrun's variables, as Accelerate's state does
+sys.setswitchinterval(1000.0)
+dist.all_reduce(torch.from_numpy(np.ones(4)), async_op=True)  # gloo's thread frees it
+end = time.perf_counter() + 0.2
+while time.perf_counter() < end:  # the GIL held while the collective ends and its thread waits
+    pass
+sys.stdout.write("finished\\n")  # flushed during finalization, which releases the GIL
+"""
+
+
+@pytest.mark.slow
+def test_a_script_with_its_own_gloo_group_exits_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_TORCH)
+    out = subprocess.run(
+        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.count("finished") == 2, out.stderr[-2000:]
