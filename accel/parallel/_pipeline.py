@@ -8,7 +8,7 @@ forward and backward over microbatches and returns the loss on every rank of the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -67,8 +67,6 @@ class PipelineStages:
     """The user's loss function, `loss_fn(output, target)`."""
     last_stage_rank: int
     """The pp rank holding the last stage (pp_size - 1, or 0 for the V schedules)."""
-    _sending: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
-    """The last stage's loss broadcast still in flight (waited for at the next step)."""
 
     @property
     def has_first(self) -> bool:
@@ -323,6 +321,8 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     if stages.schedule is None:
         return _run_locally(stages, args, targets.to(ctx.device))
+    loss = torch.zeros((), device=ctx.device)
+    receiving = _receive_loss(ctx, stages, loss) if ctx.pp_size > 1 else None
     if stages.has_first and stages.has_last:
         stages.schedule.step(*args, target=targets.to(ctx.device), losses=losses)
     elif stages.has_first:
@@ -331,32 +331,41 @@ def pipeline_step(
         stages.schedule.step(target=targets.to(ctx.device), losses=losses)
     else:
         stages.schedule.step()
-    loss = torch.zeros((), device=ctx.device)
     if stages.has_last:
         loss = torch.stack([x.detach().float() for x in losses]).mean()
-    if ctx.pp_size > 1:
-        _share_loss(ctx, stages, loss)
+        if ctx.pp_size > 1:
+            _send_loss(ctx, stages, loss)
+    elif receiving is not None:
+        receiving.wait()
     return loss
 
 
-def _share_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> None:
-    """Broadcast the last stage's loss over the pp group, into `loss` on the other ranks.
-
-    The last stage sends without waiting, so its optimizer step overlaps the earlier stages'
-    last backward as it would without the broadcast (a blocking one held it until the first
-    stage was done); the others wait, but they finish the step later, when the loss is there.
-    """
-    for work in stages._sending:  # the previous step's, long done: gloo keeps the order anyway
-        work.wait()
-    stages._sending.clear()
+def _loss_source(ctx: RunContext, stages: PipelineStages) -> tuple[int, Any]:
+    """The global rank of the pp rank holding the last stage, and the pp group."""
     pp = along(ctx, "pp")
     owner = stages.last_stage_rank
     src = owner if pp.process_group is None else dist.get_global_rank(pp.process_group, owner)
+    return src, pp.process_group
+
+
+def _receive_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> Any:
+    """On the ranks without the last stage: the loss broadcast, posted before the step.
+
+    Posted first, it is already waiting when the last stage sends, so that send returns at
+    once: the last stage goes on to its optimizer step while the earlier stages run their last
+    backward, and nothing is in flight when `pipeline_step` returns there (a send still in
+    flight when its rank ended the group reset the connection the first stage was reading).
+    """
     if stages.has_last:
-        sent = loss.clone()  # the caller may change the loss it gets while this is in flight
-        stages._sending.append(dist.broadcast(sent, src=src, group=pp.process_group, async_op=True))
-    else:
-        dist.broadcast(loss, src=src, group=pp.process_group)
+        return None
+    src, group = _loss_source(ctx, stages)
+    return dist.broadcast(loss, src=src, group=group, async_op=True)
+
+
+def _send_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> None:
+    """The last stage's loss to the other pp ranks, which posted its receipt before the step."""
+    src, group = _loss_source(ctx, stages)
+    dist.broadcast(loss, src=src, group=group)
 
 
 def _run_locally(stages: PipelineStages, args: tuple[Any, ...], targets: Any) -> torch.Tensor:
