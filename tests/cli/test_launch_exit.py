@@ -105,14 +105,19 @@ accel.shutdown(ctx)
 """
 
 
+def _launch_twice(script: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`accel launch --num_processes 2 script`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_worker_that_aborts_prints_its_python_stack(tmp_path: Path) -> None:
     script = tmp_path / "aborts.py"
     script.write_text(ABORT)
-    out = subprocess.run(
-        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
-        env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-    )  # fmt: skip
+    out = _launch_twice(script, tmp_path)
     assert out.returncode == 1, out.stderr
     assert "1 (killed by SIGABRT)" in out.stderr, out.stderr
     assert "Fatal Python error: Aborted" in out.stderr, out.stderr
@@ -151,8 +156,5 @@ sys.stdout.write("finished\\n")  # flushed during finalization, which releases t
 def test_a_script_with_its_own_gloo_group_exits_cleanly(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_TORCH)
-    out = subprocess.run(
-        [sys.executable, "-m", "accel", "launch", "--num_processes", "2", str(script)],
-        env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-    )  # fmt: skip
+    out = _launch_twice(script, tmp_path)
     assert out.returncode == 0 and out.stdout.count("finished") == 2, out.stderr[-2000:]
