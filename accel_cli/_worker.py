@@ -87,7 +87,7 @@ def _drain_gloo_at_exit() -> None:
     """
     if "torch.distributed" not in sys.modules:
         return
-    from accel._exit import drain_gloo_workers
+    from accel._exit import drain_gloo_workers  # at exit only: the runner imports no accel
 
     drain_gloo_workers()
 

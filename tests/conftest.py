@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tests.slurm_cluster import Cluster
 
 # The S3-compatible server (one per session) and its per-test bucket, for the object-storage tests.
-pytest_plugins = ["tests.s3_server"]
+pytest_plugins = ["tests.s3_server", "tests.gcs_server"]
 
 PROCESS_FOLDERS = frozenset({"dist", "cli"})  # under tests/: every test there starts processes
 

@@ -7,6 +7,8 @@ local folder named after its protocol. Nothing here reaches a store.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +51,32 @@ def test_an_unknown_protocol_is_refused_in_one_line_and_never_a_local_folder(
     ) as e:
         call("nosuch://bucket/run")
     assert "\n" not in str(e.value)
-    with pytest.raises(ImportError, match=r"needs gcsfs.*pip install 'accel-train\[gcs\]'") as e:
-        call("gs://bucket/run")
+    # abfs:// is fsspec's (Azure's), through adlfs, which no extra of accel installs.
+    with pytest.raises(ImportError, match=r"needs fsspec's package for it for abfs:// URLs") as e:
+        call("abfs://container/run")
     assert "\n" not in str(e.value)
-    assert list(tmp_path.iterdir()) == []  # no folder named "nosuch:" or "gs:"
+    assert list(tmp_path.iterdir()) == []  # no folder named "nosuch:" or "abfs:"
+
+
+MISSING_GCSFS = """
+import sys
+sys.modules["gcsfs"] = None  # as on an install without the gcs extra: `import gcsfs` fails
+import accel
+try:
+    accel.latest_checkpoint("gs://bucket/run")
+except ImportError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow
+def test_a_url_whose_extra_is_missing_names_the_extra(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", MISSING_GCSFS], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120, check=True)  # fmt: skip
+    assert out.stdout.count("\n") == 1, out.stdout + out.stderr
+    assert "needs gcsfs for gs:// URLs" in out.stdout
+    assert "pip install 'accel-train[gcs]'" in out.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_url_pathlib_collapsed_is_refused(

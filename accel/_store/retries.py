@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import TypeVar
 
 from accel._safetensors.header import CorruptFileError
@@ -55,6 +56,14 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+_MAKE_BUCKET = MappingProxyType(
+    {
+        "gs": "`gcloud storage buckets create gs://<bucket>`",
+        "gcs": "`gcloud storage buckets create gs://<bucket>`",
+    }
+)
+
+
 def no_bucket(err: BaseException) -> bool:
     """True for the store's error (or accel's) saying the URL's bucket does not exist."""
     text = str(err).lower()
@@ -69,14 +78,14 @@ def store_error(fn: str, url: str, err: BaseException, *, attempts: int = 1) -> 
         return PermissionError(
             errno.EACCES,
             f"{fn}: the store denied a request on {url!r} ({said}); check the credentials its "
-            "client reads (for s3://: AWS_PROFILE or AWS_ACCESS_KEY_ID, ~/.aws) and the "
-            "bucket's policy",
+            "client reads (for s3://: AWS_PROFILE or AWS_ACCESS_KEY_ID, ~/.aws; for gs://: "
+            "GOOGLE_APPLICATION_CREDENTIALS or gcloud's login) and the bucket's policy",
         )
     if no_bucket(err):
         return FileNotFoundError(
             errno.ENOENT,
             f"{fn}: the bucket of {url!r} does not exist ({said}); create it first (e.g. "
-            "`aws s3 mb s3://<bucket>`) or fix the URL",
+            f"{_MAKE_BUCKET.get(url.split('://')[0], '`aws s3 mb s3://<bucket>`')}) or fix the URL",
         )
     if isinstance(err, (FileNotFoundError, CorruptFileError)):
         return err

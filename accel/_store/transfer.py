@@ -28,7 +28,7 @@ from typing import Any
 from accel._safetensors.crc32 import combine, crc32
 from accel._safetensors.header import CorruptFileError
 from accel._safetensors.manifests import checksum_file
-from accel._store.retries import no_bucket, retried
+from accel._store.retries import no_bucket, retried, store_error
 from accel._store.urls import Remote
 
 PART = 16 << 20  # bytes per part of a multipart upload (S3: at least 5 MiB, at most 10,000)
@@ -324,8 +324,26 @@ def get_bytes(fn: str, remote: Remote, rel: str) -> bytes | None:
     except FileNotFoundError as err:
         if no_bucket(err):
             raise
+        require_bucket(fn, remote)
         return None
     return data
+
+
+def require_bucket(fn: str, remote: Remote) -> None:
+    """Raise the one-line missing-bucket error when the URL's bucket does not exist.
+
+    Asked after a missing object or an empty listing: s3fs says a bucket is missing in its
+    error, but gcsfs answers a missing bucket as it answers a missing object (a 404 naming the
+    request's path), so a `latest_checkpoint` of a mistyped gs:// bucket would read as a run
+    with no checkpoint yet. Stores without buckets (memory://) are not asked.
+    """
+    split = getattr(remote.fs, "split_path", None)
+    if split is None:
+        return
+    bucket = split(remote.path)[0]
+    if not retried(fn, remote.url, lambda: remote.fs.exists(bucket)):
+        missing = FileNotFoundError(errno.ENOENT, "the specified bucket does not exist")
+        raise store_error(fn, remote.url, missing)
 
 
 def listing(fn: str, remote: Remote) -> dict[str, int]:
@@ -336,13 +354,16 @@ def listing(fn: str, remote: Remote) -> dict[str, int]:
     except FileNotFoundError as err:
         if no_bucket(err):
             raise
-        return {}
+        found = {}
     prefix = remote.path + "/"
-    return {
+    files = {
         key[len(prefix) :]: int(info.get("size") or 0)
         for key, info in found.items()
         if key.startswith(prefix) and info.get("type", "file") == "file"
     }
+    if not files:
+        require_bucket(fn, remote)
+    return files
 
 
 def remove(fn: str, remote: Remote, rels: Sequence[str]) -> None:

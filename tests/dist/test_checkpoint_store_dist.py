@@ -178,3 +178,22 @@ def test_every_checkpoint_function_round_trips_through_s3_at_1_2_and_4_ranks(s3:
         empty = Net()
     dispatched = accel.dispatch_checkpoint(empty, f"{s3}/fsdp2xtp-4-hf", device_map={"": "cpu"})
     assert _equal(_full(dispatched), _model_only(expected))
+
+
+def _two_ranks(ctx: RunContext, url: str) -> dict[str, Any]:
+    return {"ddp": _save_and_load(ctx, url, "ddp"), "fsdp2": _save_and_load(ctx, url, "fsdp2")}
+
+
+def test_ddp_and_fsdp2_round_trip_through_gs_and_resume_in_one_process(gs: str) -> None:
+    # The session's GCS emulator through gcsfs: the same saves as above at 2 ranks, then the
+    # FSDP2 checkpoint resumed in one plain process.
+    two = run_world(_two_ranks, world_size=2, timeout=TIMEOUT, args=(gs,))
+    for r in two:
+        for kind in ("ddp", "fsdp2"):
+            result = r[kind]
+            assert result["loaded"] and result["rng"] and result["exported"], (kind, result)
+            assert result["latest"] == f"{gs}/{kind}-2/step-2" and result["step"] == 2
+    model = _net(9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    accel.load_state(RunContext.single(), f"{gs}/fsdp2-2/step-2", model=model, optimizer=opt)
+    assert _equal(_full(model, opt), two[0]["fsdp2"]["reference"])
