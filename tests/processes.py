@@ -41,10 +41,11 @@ def descendants(pid: int) -> list[int]:
 
 # Helper processes that outlive a test by design: run_world's forkserver (one per pytest
 # process, kept for every later world), multiprocessing's resource tracker, and the session's
-# SLURM daemons (tests/slurm_cluster.py; slurmctld forks slurmscriptd); the jobs' processes
-# below them still count.
+# SLURM daemons (tests/slurm_cluster.py; slurmctld forks slurmscriptd) and the session's GCS
+# emulator (tests/gcs_server.py); the jobs' processes below them still count.
 _SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
-                    "munged\0", "slurmctld\0", "slurmscriptd", "slurmd\0")  # fmt: skip
+                    "munged\0", "slurmctld\0", "slurmscriptd", "slurmd\0",
+                    "gcp_storage_emulator\0")  # fmt: skip
 
 
 def leftovers(pid: int) -> list[int]:
