@@ -23,6 +23,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _own_project(folder: Path) -> None:
+    """Give the sample tests a pytest configuration of their own, as a project has: without one,
+    pytest roots them at the common ancestor of the checkout and the folder (/tmp for a clone in
+    /tmp, failing in a fresh-clone run), and the report's names carry the path from there."""
+    (folder / "pytest.ini").write_text("[pytest]\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["test", "test-fast"])
 def test_a_run_that_collects_no_test_fails_the_target(tmp_path: Path, target: str) -> None:
@@ -53,12 +60,20 @@ def test_fails_after_printing():
 """
 
 
+def _own_project(folder: Path) -> None:
+    """Give the sample tests a pytest configuration of their own, as a project has: without one,
+    pytest roots them at the common ancestor of the checkout and the folder (/tmp for a clone in
+    /tmp, failing in a fresh-clone run), and the report's names carry the path from there."""
+    (folder / "pytest.ini").write_text("[pytest]\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["test", "test-fast"])
 def test_a_failed_run_ends_with_the_failed_tests_and_their_last_lines(
     tmp_path: Path, target: str
 ) -> None:
     (tmp_path / "test_sample.py").write_text(FAILING)
+    _own_project(tmp_path)
     sample = f"{sys.executable} -m pytest -p no:cacheprovider {tmp_path}"
     run = subprocess.run(
         ["make", "--no-print-directory", target, "NO_INSTALL=1", f"PYTEST={sample}",
@@ -94,6 +109,7 @@ def test_fails_every_second_run(tmp_path):
 @pytest.mark.slow
 def test_make_flake_reruns_a_test_and_keeps_each_failure(tmp_path: Path) -> None:
     (tmp_path / "test_flaky.py").write_text(FLAKY)
+    _own_project(tmp_path)
     out = tmp_path / "out"
     run = subprocess.run(
         ["make", "--no-print-directory", "flake", "NO_INSTALL=1", f"PY={sys.executable}",
