@@ -321,8 +321,6 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     if stages.schedule is None:
         return _run_locally(stages, args, targets.to(ctx.device))
-    loss = torch.zeros((), device=ctx.device)
-    receiving = _receive_loss(ctx, stages, loss) if ctx.pp_size > 1 else None
     if stages.has_first and stages.has_last:
         stages.schedule.step(*args, target=targets.to(ctx.device), losses=losses)
     elif stages.has_first:
@@ -331,41 +329,28 @@ def pipeline_step(
         stages.schedule.step(target=targets.to(ctx.device), losses=losses)
     else:
         stages.schedule.step()
+    loss = torch.zeros((), device=ctx.device)
     if stages.has_last:
         loss = torch.stack([x.detach().float() for x in losses]).mean()
-        if ctx.pp_size > 1:
-            _send_loss(ctx, stages, loss)
-    elif receiving is not None:
-        receiving.wait()
+    if ctx.pp_size > 1:
+        _share_loss(ctx, stages, loss)
     return loss
 
 
-def _loss_source(ctx: RunContext, stages: PipelineStages) -> tuple[int, Any]:
-    """The global rank of the pp rank holding the last stage, and the pp group."""
+def _share_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> None:
+    """Broadcast the last stage's loss over the pp group, into `loss` on the other ranks.
+
+    Blocking on every rank, the last stage's included: a send still in flight when its rank
+    ended the group (after a run's last step) reset the connection the first stage was reading.
+    Its cost, the last stage's optimizer step waiting for the first stage's last backward, did
+    not show in the pipeline benchmark (docs/benchmarks.md). Receipts posted before the step
+    would keep that overlap on gloo; on NCCL such a broadcast, queued on a stream ahead of the
+    schedule's sends, could hold them back (not tried: a pipeline needs several GPUs).
+    """
     pp = along(ctx, "pp")
     owner = stages.last_stage_rank
     src = owner if pp.process_group is None else dist.get_global_rank(pp.process_group, owner)
-    return src, pp.process_group
-
-
-def _receive_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> Any:
-    """On the ranks without the last stage: the loss broadcast, posted before the step.
-
-    Posted first, it is already waiting when the last stage sends, so that send returns at
-    once: the last stage goes on to its optimizer step while the earlier stages run their last
-    backward, and nothing is in flight when `pipeline_step` returns there (a send still in
-    flight when its rank ended the group reset the connection the first stage was reading).
-    """
-    if stages.has_last:
-        return None
-    src, group = _loss_source(ctx, stages)
-    return dist.broadcast(loss, src=src, group=group, async_op=True)
-
-
-def _send_loss(ctx: RunContext, stages: PipelineStages, loss: torch.Tensor) -> None:
-    """The last stage's loss to the other pp ranks, which posted its receipt before the step."""
-    src, group = _loss_source(ctx, stages)
-    dist.broadcast(loss, src=src, group=group)
+    dist.broadcast(loss, src=src, group=pp.process_group)
 
 
 def _run_locally(stages: PipelineStages, args: tuple[Any, ...], targets: Any) -> torch.Tensor:
