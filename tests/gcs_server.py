@@ -15,7 +15,6 @@ back to the plain client this setting selects at once).
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+from tests.s3_server import make_bucket
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -73,19 +74,10 @@ def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.wait(timeout=30)
 
 
-def make_gcs_bucket() -> str:
-    """A new, empty bucket on the emulator the variables name; its gs:// URL."""
-    import fsspec
-
-    name = f"accel-{secrets.token_hex(6)}"
-    fsspec.filesystem("gs").mkdir(name)
-    return f"gs://{name}"
-
-
 @pytest.fixture
 def gs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """A new bucket (its URL) on the session's emulator, with the variables that point gcsfs at
     it set for the test (and the ranks it starts)."""
     for key, value in gcs_environment(gcs_endpoint).items():
         monkeypatch.setenv(key, value)
-    return make_gcs_bucket()
+    return make_bucket("gs")

@@ -76,13 +76,13 @@ def fresh_clients() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def make_bucket() -> str:
-    """A new, empty bucket on the server the variables name; its s3:// URL."""
+def make_bucket(protocol: str = "s3") -> str:
+    """A new, empty bucket on the server the variables name for `protocol`; its URL."""
     import fsspec
 
     name = f"accel-{secrets.token_hex(6)}"
-    fsspec.filesystem("s3").mkdir(name)
-    return f"s3://{name}"
+    fsspec.filesystem(protocol).mkdir(name)
+    return f"{protocol}://{name}"
 
 
 @pytest.fixture
