@@ -324,7 +324,6 @@ def get_bytes(fn: str, remote: Remote, rel: str) -> bytes | None:
     except FileNotFoundError as err:
         if no_bucket(err):
             raise
-        require_bucket(fn, remote)
         return None
     return data
 
@@ -332,10 +331,11 @@ def get_bytes(fn: str, remote: Remote, rel: str) -> bytes | None:
 def require_bucket(fn: str, remote: Remote) -> None:
     """Raise the one-line missing-bucket error when the URL's bucket does not exist.
 
-    Asked after a missing object or an empty listing: s3fs says a bucket is missing in its
-    error, but gcsfs answers a missing bucket as it answers a missing object (a 404 naming the
-    request's path), so a `latest_checkpoint` of a mistyped gs:// bucket would read as a run
-    with no checkpoint yet. Stores without buckets (memory://) are not asked.
+    Asked after an empty listing (every save and `latest_checkpoint` list first), not after
+    each missing object, which rank 0's polling of the records meets often. s3fs says a bucket
+    is missing in its error, but gcsfs answers a missing bucket as it answers a missing object
+    (a 404 naming the request's path), so a `latest_checkpoint` of a mistyped gs:// bucket would
+    read as a run with no checkpoint yet. Stores without buckets (memory://) are not asked.
     """
     split = getattr(remote.fs, "split_path", None)
     if split is None:
