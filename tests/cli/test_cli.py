@@ -392,15 +392,28 @@ def test_help_lists_every_subcommand_and_bad_tee_is_refused(tmp_path: Path) -> N
 
 
 FIRST_FAILURE_SCRIPT = """
-import atexit, sys, time
+import atexit, os, sys, time
 from pathlib import Path
 import accel
 ctx = accel.init_distributed()
-marker = Path(sys.argv[1]) / "rank1-raised"
+folder = Path(sys.argv[1])
+marker, rank_0_pid = folder / "rank1-raised", folder / "rank0-pid"
+
+
+def exit_once_the_agent_has_reaped_rank_0():
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pid = rank_0_pid.read_text() if rank_0_pid.exists() else ""
+        if pid and not Path("/proc", pid).exists():  # gone, not a zombie: the agent saw it exit
+            return
+        time.sleep(0.05)
+
+
 if ctx.rank == 1:
-    atexit.register(time.sleep, 20)  # exits last: the agent sees rank 0 fail first
+    atexit.register(exit_once_the_agent_has_reaped_rank_0)  # the agent sees rank 0 fail first
     marker.write_text("")
     raise ValueError("boom on rank 1")
+rank_0_pid.write_text(str(os.getpid()))
 while not marker.exists():
     time.sleep(0.05)
 time.sleep(0.5)
@@ -419,7 +432,8 @@ def test_the_last_line_of_a_failed_launch_names_the_rank_that_failed_first(
     assert lines[-1] == "accel launch: rank 1 failed first: ValueError: boom on rank 1", lines[-8:]
     assert "accel launch: the script failed on ranks 0 (exited with code 1), 1" in lines[-2]
     # The tracebacks stay above, the script's own frames first (the runner's are not shown).
-    assert f'[rank1]:   File "{script}", line 10, in <module>' in lines, lines
+    line = FIRST_FAILURE_SCRIPT.splitlines().index('    raise ValueError("boom on rank 1")') + 1
+    assert f'[rank1]:   File "{script}", line {line}, in <module>' in lines, lines
 
 
 def test_help_and_usage_errors_do_not_import_torch(tmp_path: Path) -> None:
