@@ -373,9 +373,10 @@ def _all_reduce(
         keys = [f"device/{r}" for r in range(num)]
         store.wait(keys, wait)
         bad = [text for key in keys if (text := store.get(key).decode())]
-        store.set(f"read/{rank}", "")
         if rank == 0:  # the store is this launcher's: it stays until every machine has read
             store.wait([f"read/{r}" for r in range(1, num)], wait)
+        else:
+            store.set(f"read/{rank}", "")
         if bad:
             return [
                 f"accel launch: {line}; gloo cannot use this machine's network interface "
