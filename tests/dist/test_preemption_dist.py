@@ -9,6 +9,7 @@ losses and parameters, bit for bit, of the uninterrupted run (srun-style, the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -77,7 +78,9 @@ with accel.preemption(ctx) as stop:
         optimizer.zero_grad()
         history.step += 1
         history.losses.append(accel.reduce(ctx, loss.detach(), op="mean").item())
-        (out / f"progress-{ctx.rank}").write_text(str(history.step))
+        progress = out / f"progress-{ctx.rank}"  # whole or absent: the test polls it
+        progress.with_suffix(".tmp").write_text(str(history.step))
+        os.replace(progress.with_suffix(".tmp"), progress)
         stopping = stop.requested()
         if stopping or history.step % 4 == 0:
             accel.save_checkpoint(ctx, root, state, step=history.step, keep=3)
@@ -142,7 +145,7 @@ def _signal_at(procs: list[subprocess.Popen[str]], target: int, out: Path, sig: 
     """Send `sig` to `procs[target]` once rank 0 has taken 3 optimizer steps."""
     deadline = time.monotonic() + 120
     progress = out / "progress-0"
-    while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+    while not (progress.exists() and int(progress.read_text()) >= 3):
         assert time.monotonic() < deadline, "the run never reached step 3"
         assert all(p.poll() is None for p in procs), _wait(procs)
         time.sleep(0.05)
@@ -173,8 +176,12 @@ def _tagged(tag: str) -> list[int]:
 def tag() -> Any:
     value = uuid.uuid4().hex
     yield value
-    assert leftovers(os.getpid()) == []
-    assert _tagged(value) == [], "a process the test started is still running"
+    left, tagged = leftovers(os.getpid()), _tagged(value)
+    for pid in {*left, *tagged}:  # a failed test's processes must not load the tests after it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert tagged == [], "a process the test started is still running"
 
 
 @pytest.fixture(scope="module")
