@@ -10,6 +10,11 @@ recorded by SLURM's job completion log (jobcomp/filetxt: a line per run of a job
 requeued ones included) and `scontrol show job` (JobState, Restarts). A requeued job waits
 cred_expire + 1 s before it may start again (job_mgr.c, `batch_requeue_fini`; 120 s by
 default): 5 s here.
+
+A step that has not ended UnkillableStepTimeout (60 s) after SLURM's SIGKILL drains the node
+("Kill task failed"), and every later job stays pending. SLURM then runs UnkillableStepProgram:
+here it writes every process with its state, kernel wait channel and stack to
+`unkillable-<job>.<step>.log`, which `Cluster.logs()` shows with the daemons' logs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,25 @@ from tests.dist.test_cluster_envs_dist import _ports
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
 CPUS = 8  # more than this machine may have (config_overrides): tasks plus a launcher each
+
+# UnkillableStepProgram (slurmstepd runs it with SLURM_JOB_ID and SLURM_STEP_ID set)
+UNKILLABLE = """#!/bin/bash
+exec > "{root}/unkillable-$SLURM_JOB_ID.$SLURM_STEP_ID.log" 2>&1
+date --iso-8601=ns
+ps -eo pid,ppid,pgid,sid,stat,wchan:24,etime,args --forest
+for stat in /proc/[0-9]*/task/[0-9]*/stat; do  # every thread: one stuck thread holds its process
+    task=${{stat%/stat}}; pid=${{task#/proc/}}; pid=${{pid%%/*}}
+    case "$(cut -d' ' -f3 "$stat" 2>/dev/null)" in
+        D|Z|T|t) echo "--- pid $pid thread ${{task##*/}} $(cut -d' ' -f2-3 "$stat")" \\
+                      "$(tr '\\0' ' ' < /proc/$pid/cmdline 2>/dev/null)"
+                 cat "$task/stack" 2>/dev/null ;;
+    esac
+done
+for task in $(pgrep -x slurmstepd | sed 's|.*|/proc/&/task/*|'); do  # or slurmstepd itself waits
+    echo "--- slurmstepd thread $task $(cut -d' ' -f3 "$task/stat" 2>/dev/null)"
+    cat "$task/stack" 2>/dev/null
+done
+"""
 
 
 def missing() -> list[str]:
@@ -74,8 +98,10 @@ class Cluster:
             time.sleep(0.2)
 
     def logs(self) -> str:
+        """The daemons' logs (their ends), then each unkillable step's processes (whole)."""
         return "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log"))
+            f"--- {p.name}\n{p.read_text()[-20000 if 'unkillable' in p.name else -3000 :]}"
+            for p in sorted(self.root.glob("*.log"), key=lambda p: ("unkillable" in p.name, p))
         )
 
 
@@ -97,7 +123,7 @@ def _config(root: Path, node: str, ports: list[int]) -> str:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides",
         "MpiDefault=none", "ReturnToService=2", "JobRequeue=1", "KillWait=5", "MinJobAge=600",
-        "SlurmctldDebug=info", "SlurmdDebug=info",
+        "SlurmctldDebug=info", "SlurmdDebug=info", f"UnkillableStepProgram={root}/unkillable.sh",
         f"NodeName={node} NodeHostname={node} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN",
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         "",
@@ -115,6 +141,9 @@ def slurm_cluster(root: Path) -> Iterator[Cluster]:
     key.write_bytes(os.urandom(128))
     key.chmod(0o600)
     node = socket.gethostname()
+    unkillable = root / "unkillable.sh"
+    unkillable.write_text(UNKILLABLE.format(root=root))
+    unkillable.chmod(0o755)
     (root / "slurm.conf").write_text(_config(root, node, [int(p) for p in _ports(2)]))
     env = {"SLURM_CONF": str(root / "slurm.conf")}
     daemons: list[subprocess.Popen[bytes]] = []
