@@ -13,8 +13,9 @@ default): 5 s here.
 
 A step that has not ended UnkillableStepTimeout (60 s) after SLURM's SIGKILL drains the node
 ("Kill task failed"), and every later job stays pending. SLURM then runs UnkillableStepProgram:
-here it writes every process with its state, kernel wait channel and stack to
-`unkillable-<job>.<step>.log`, which `Cluster.logs()` shows with the daemons' logs.
+here it writes every process with its state and kernel wait channel, the kernel stack of each
+thread in D, Z or T state and of slurmstepd's threads, to `unkillable-<job>.<step>.log`, which
+`Cluster.logs()` shows whole after the daemons' logs.
 """
 
 from __future__ import annotations
