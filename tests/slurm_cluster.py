@@ -14,8 +14,8 @@ default): 5 s here.
 A step that has not ended UnkillableStepTimeout (60 s) after SLURM's SIGKILL drains the node
 ("Kill task failed"), and every later job stays pending. SLURM then runs UnkillableStepProgram:
 here it writes every process with its state and kernel wait channel, the kernel stack of each
-thread in D, Z or T state and of slurmstepd's threads, to `unkillable-<job>.<step>.log`, which
-`Cluster.logs()` shows whole after the daemons' logs.
+thread in D, Z or T state and of slurmstepd's threads, to `unkillable-<job>.<step>.log`, whose
+last 20,000 characters `Cluster.logs()` shows after the daemons' logs.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Cluster:
             time.sleep(0.2)
 
     def logs(self) -> str:
-        """The daemons' logs (their ends), then each unkillable step's processes (whole)."""
+        """The daemons' logs (last 3,000 chars), then each unkillable-step record (last 20,000)."""
         return "\n".join(
             f"--- {p.name}\n{p.read_text()[-20000 if 'unkillable' in p.name else -3000 :]}"
             for p in sorted(self.root.glob("*.log"), key=lambda p: ("unkillable" in p.name, p))
